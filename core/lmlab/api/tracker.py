@@ -1,0 +1,41 @@
+"""The tracker slot: where metrics go besides the run folder (W&B, ...)."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmlab.api.plugin import Plugin
+
+
+@dataclass
+class RunInfo:
+    """One variant's identity, as a tracker needs it.
+
+    ``group`` is the manifest's name and ``name`` the variant's; ``config`` the resolved manifest
+    (nested) and ``flat_config`` the same with dotted keys; ``plugins`` maps slot → {name,
+    distribution, version}; ``resume`` is True when this continues an interrupted run, in which case
+    the tracker should continue the same remote run (keep its id under ``run_dir``).
+    """
+
+    run_dir: Path
+    group: str
+    name: str
+    config: dict[str, Any]
+    flat_config: dict[str, Any]
+    plugins: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False
+
+
+class Tracker(Plugin):
+    """Called on the main process only."""
+
+    slot = "tracker"
+
+    def start(self, info: RunInfo) -> None:
+        raise NotImplementedError
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self, summary: dict[str, Any], status: str) -> None:
+        """``status`` is ``completed``, ``failed`` or ``interrupted``."""
