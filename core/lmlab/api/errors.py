@@ -1,14 +1,6 @@
-"""The one user-facing error type."""
+"""Re-export of the one user-facing error type (defined outside the API package so the CLI's fast
+paths can catch it without importing torch)."""
 
+from lmlab.errors import UserError
 
-class UserError(Exception):
-    """Bad input from the user: a manifest key, a file, a command-line value.
-
-    The CLI prints the message on one line and exits with status 2, never a traceback. ``key`` is the
-    dotted manifest key (``attention.n_kv_heads``) or file the message is about, when there is one.
-    Plugins raise it for option combinations their types cannot express.
-    """
-
-    def __init__(self, message: str, key: str | None = None):
-        self.key = key
-        super().__init__(f"{key}: {message}" if key else message)
+__all__ = ["UserError"]

@@ -22,6 +22,9 @@ class PositionModule(nn.Module):
     biases: ClassVar[bool] = False
     max_positions: int | None = None  # positions this scheme can represent; None means unbounded
 
+    def reset_parameters(self, shape: ModelShape) -> None:
+        """Initialise learned weights, if any."""
+
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, T, C), positions (T,) absolute indices → x with positions mixed in."""
         return x

@@ -1,0 +1,26 @@
+"""``lmlab check MANIFEST``: validates and prints the resolved variants; trains nothing.
+
+Imports only the plugins the manifest names (and never lightning, deepspeed, peft or wandb).
+"""
+
+from lmlab import manifest
+from lmlab.train.rundir import toml_text
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("manifest", help="path to a TOML manifest")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a manifest value (repeatable), e.g. --set train.max_steps=100")
+    parser.add_argument("--quiet", "-q", action="store_true", help="print only the variant names")
+
+
+def main(args) -> int:
+    variants = manifest.load(args.manifest, args.overrides)
+    print(f"{args.manifest}: {len(variants)} variant{'s' if len(variants) != 1 else ''}")
+    for variant in variants:
+        print(f"\n# variant: {variant.name}")
+        for note in variant.notes:
+            print(f"# note: {note}")
+        if not args.quiet:
+            print(toml_text(variant.manifest), end="")
+    return 0

@@ -1,0 +1,55 @@
+"""Entry point: parses the verb and hands over to its module.
+
+Kept free of heavy imports (torch, lightning, pydantic): ``lmlab plugins`` must answer at once.
+Exit status: 0 success, 2 bad input (a UserError, one line, no traceback), 1 anything else.
+"""
+
+import argparse
+import importlib
+import sys
+
+from lmlab.errors import UserError
+
+VERBS = {
+    "run": "trains every variant of a manifest",
+    "check": "validates a manifest and prints its resolved variants; runs nothing",
+    "plugins": "lists installed plugins per slot, and known ones that are not installed",
+    "compare": "tabulates the variants of a runs folder",
+    "generate": "generates text from a trained run",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own exit status is 2 too; keep its usage line
+        self.print_usage(sys.stderr)
+        raise UserError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lmlab", description="A plugin-based workbench for language-model experiments.")
+    from lmlab import __version__
+
+    parser.add_argument("--version", action="version", version=f"lmlab {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    for verb, help_text in VERBS.items():
+        sub = verbs.add_parser(verb, help=help_text, description=help_text)
+        _module(verb).add_arguments(sub)
+    return parser
+
+
+def _module(verb: str):
+    return importlib.import_module(f"lmlab.cli.{verb}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _module(args.verb).main(args) or 0
+    except UserError as exc:
+        print(f"lmlab: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmlab: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

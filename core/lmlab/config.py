@@ -1,0 +1,58 @@
+"""The core's own manifest tables: ``[model]`` (the shared shape) and ``[train]`` (the loop)."""
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from lmlab.api import Field, Options
+
+
+class ModelOptions(Options):
+    n_layers: int = Field(4, gt=0, help="number of transformer blocks")
+    d_model: int = Field(128, gt=0, help="width of the residual stream")
+    n_heads: int = Field(4, gt=0, help="attention heads (query heads for grouped-query attention)")
+    block_size: int = Field(64, gt=0, help="training context length in tokens")
+    vocab_size: int | None = Field(None, gt=0, help="default: the tokenizer's; larger pads the embedding")
+    dropout: float = Field(0.0, ge=0, lt=1, help="residual, embedding and attention dropout")
+    bias: bool = Field(False, help="biases in linear layers and LayerNorm")
+    norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", help="normalisation layer")
+    norm_eps: float = Field(1e-5, gt=0, help="epsilon of the normalisation layers")
+    tie_embeddings: bool = Field(True, help="share the token embedding with the output head")
+    init_std: float = Field(0.02, gt=0, help="std of the normal weight init (GPT-2)")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+
+class TrainOptions(Options):
+    max_steps: int = Field(1000, gt=0, help="optimizer steps")
+    batch_size: int = Field(12, gt=0, help="sequences per micro-batch (per device)")
+    grad_accum: int = Field(1, gt=0, help="micro-batches per optimizer step")
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true"] = Field(
+        "32-true", help="Lightning precision")
+    grad_clip: float = Field(1.0, ge=0, help="clip the global gradient norm to this (0: off)")
+    warmup_steps: int = Field(100, ge=0, help="linear learning-rate warmup")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", help="decay after warmup")
+    decay_steps: int | None = Field(None, gt=0, help="step at which decay ends (default: max_steps)")
+    min_lr: float | None = Field(None, ge=0, help="learning rate at the end of decay (default: lr / 10)")
+    eval_every: int = Field(250, gt=0, help="evaluate every this many steps (and at the end)")
+    eval_steps: int = Field(20, gt=0, help="batches per periodic evaluation; the final one covers the whole split")
+    eval_batch_size: int | None = Field(None, gt=0, help="sequences per eval batch (default: 4 × batch_size)")
+    checkpoint_every: int = Field(250, gt=0, help="write checkpoints/last.ckpt every this many steps")
+    log_every: int = Field(10, gt=0, help="write a metrics.jsonl line every this many steps")
+    compile: bool = Field(False, help="torch.compile the model")
+    threads: int | None = Field(None, gt=0, help="torch intra-op threads (default: torch's choice)")
+    sample_tokens: int = Field(200, ge=0, help="tokens of text to generate at the end (0: none)")
+    sample_prompt: str = Field("\n", help="prompt for that sample")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
+            raise ValueError("decay_steps must not be smaller than warmup_steps")
+        return self
+
+
+CORE_TABLES: dict[str, type[Options]] = {"model": ModelOptions, "train": TrainOptions}

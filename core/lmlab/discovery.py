@@ -1,0 +1,130 @@
+"""Entry points → plugin classes.
+
+Listing reads installed distributions' metadata and imports no plugin module (``lmlab plugins``
+stays fast). Loading goes through stevedore, one named plugin at a time, so a manifest imports only
+the plugins it names; every loaded class is checked against its slot's contract before use.
+"""
+
+import importlib.metadata as md
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from lmlab.errors import UserError
+
+GROUP_PREFIX = "lmlab."
+SLOTS = ("data", "filter", "tokenizer", "position", "attention", "ffn", "objective", "optimizer",
+         "parallel", "peft", "decoding", "tracker", "monitor", "compress")
+MANY_SLOTS = frozenset({"filter", "monitor", "compress"})
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    slot: str
+    name: str
+    target: str  # "module:Class", as declared; never imported by listing
+    distribution: str
+    version: str
+
+
+def installed() -> dict[str, list[PluginInfo]]:
+    """slot → plugins declared by installed distributions (duplicates kept, so they can be reported)."""
+    found: dict[str, list[PluginInfo]] = {slot: [] for slot in SLOTS}
+    seen = set()
+    for dist in md.distributions():
+        dist_name = dist.metadata["Name"] or "?"
+        for ep in dist.entry_points:
+            if not ep.group.startswith(GROUP_PREFIX):
+                continue
+            slot = ep.group[len(GROUP_PREFIX):]
+            marker = (slot, ep.name, dist_name.lower().replace("_", "-"))
+            if marker in seen:  # the same distribution found twice on sys.path is not a clash
+                continue
+            seen.add(marker)
+            found.setdefault(slot, []).append(PluginInfo(slot, ep.name, ep.value, dist_name, dist.version))
+    for plugins in found.values():
+        plugins.sort(key=lambda p: (p.name, p.distribution))
+    return found
+
+
+@cache
+def catalogue() -> tuple[dict, ...]:
+    """Entries of registry.toml: every known plugin, installed or not."""
+    for path in _registry_paths():
+        if path.is_file():
+            with path.open("rb") as f:
+                return tuple(tomllib.load(f).get("plugin", []))
+    return ()
+
+
+def _registry_paths():
+    here = Path(__file__).resolve().parent
+    yield here.parent.parent / "registry.toml"  # a source checkout (editable install)
+    yield here / "registry.toml"  # a wheel (force-included at build)
+
+
+def hint_for(slot: str, name: str) -> str:
+    """What to install for a plugin that is not installed, from the catalogue."""
+    for entry in catalogue():
+        if entry.get("slot") == slot and entry.get("name") == name:
+            where = entry.get("path")
+            how = f"pip install {entry['distribution']}" + (f"  (in this repository: pip install -e {where})"
+                                                             if where else "")
+            return f"it is provided by the distribution {entry['distribution']}: {how}"
+    return "no known distribution provides it (see `lmlab plugins`)"
+
+
+def find(slot: str, name: str, key: str) -> PluginInfo:
+    """The one installed plugin ``name`` of ``slot``, or a UserError saying why there is none."""
+    if slot not in SLOTS:
+        raise UserError(f"unknown slot {slot!r}", key=slot)
+    candidates = [p for p in installed().get(slot, []) if p.name == name]
+    if not candidates:
+        names = sorted({p.name for p in installed().get(slot, [])})
+        raise UserError(f"plugin {name!r} is not installed for slot {slot!r}{_did_you_mean(name, names)}; "
+                        f"{hint_for(slot, name)}", key=key)
+    dists = {(p.distribution, p.target) for p in candidates}
+    if len(dists) > 1:
+        listing = ", ".join(f"{d} ({t})" for d, t in sorted(dists))
+        raise UserError(f"plugin {name!r} of slot {slot!r} is declared by more than one distribution: "
+                        f"{listing}; uninstall all but one", key=key)
+    return candidates[0]
+
+
+def load(slot: str, name: str, key: str | None = None):
+    """Import and check plugin ``name`` of ``slot``; returns its class with ``name`` set."""
+    key = key or f"{slot}.use"
+    info = find(slot, name, key)
+    cls = _import(info, key)
+    from lmlab.plugin_check import check_plugin_class  # imports lmlab.api (pydantic, torch)
+
+    check_plugin_class(cls, slot, info, key)
+    cls.name = name
+    return cls
+
+
+def _import(info: PluginInfo, key: str):
+    from stevedore import driver
+
+    failures: list[BaseException] = []
+    try:
+        manager = driver.DriverManager(
+            f"{GROUP_PREFIX}{info.slot}", info.name, invoke_on_load=False,
+            on_load_failure_callback=lambda _mgr, _ep, exc: failures.append(exc),
+            on_missing_entrypoints_callback=lambda names: None)
+        return manager.driver
+    except Exception as exc:  # stevedore reports a failed import as "no match"; show the real cause
+        cause = failures[0] if failures else exc
+        raise UserError(f"plugin {info.name!r} from {info.distribution} {info.version} failed to load "
+                        f"({info.target}): {type(cause).__name__}: {cause}", key=key) from cause
+
+
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+did_you_mean = _did_you_mean

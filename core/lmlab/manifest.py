@@ -1,0 +1,160 @@
+"""TOML manifest → validated, fully resolved variants.
+
+Order of resolution: the packaged defaults (plugin names only), then the manifest, then ``--set``
+overrides, then one variant per point of the ``[sweep]`` grid. Each variant is validated on its own,
+against the core's tables and the options of the plugins it names, and every error names the key.
+"""
+
+import copy
+import itertools
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmlab.discovery import MANY_SLOTS, SLOTS, did_you_mean
+from lmlab.errors import UserError
+
+TOP_LEVEL = ("name", "seed", "description", "sweep")
+CORE_TABLE_NAMES = ("model", "train")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class Variant:
+    """One run of a manifest: its readable name, its resolved manifest and its plugin classes."""
+
+    name: str
+    manifest: dict[str, Any]  # fully resolved, JSON/TOML-serialisable
+    plugins: dict[str, Any] = field(default_factory=dict)  # slot → class (many-slots: list of classes)
+    base_dir: Path = Path(".")
+    notes: list[str] = field(default_factory=list)  # what resolution changed that the user should know
+
+    def options(self, slot: str, plugin: str | None = None):
+        """The validated Options instance of a slot's plugin."""
+        table = self.manifest[slot]
+        values = table.get(plugin, {}) if plugin else {k: v for k, v in table.items() if k != "use"}
+        cls = self.plugins[slot]
+        if plugin:
+            cls = next(c for c in cls if c.name == plugin)
+        return cls.Options.model_validate(values, context={"base_dir": self.base_dir})
+
+    def instantiate(self, slot: str):
+        """A plugin instance for a single-valued slot, or a list of them for a many-valued one."""
+        if slot in MANY_SLOTS:
+            return [c(self.options(slot, c.name)) for c in self.plugins.get(slot, [])]
+        return self.plugins[slot](self.options(slot))
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError("no such manifest file", key=str(path)) from None
+    except IsADirectoryError:
+        raise UserError("is a folder, not a manifest file", key=str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"malformed TOML: {exc}", key=str(path)) from None
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> list[Variant]:
+    """Every variant of the manifest at ``path`` with ``overrides`` ("dotted.key=value") applied."""
+    path = Path(path)
+    raw = read_toml(path)
+    merged = _deep_merge(_defaults(), raw)
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(merged, key, value, source=f"--set {item}")
+    sweep = merged.pop("sweep", {})
+    if not isinstance(sweep, dict):
+        raise UserError("must be a table of dotted keys to lists", key="sweep")
+    base_dir = path.resolve().parent
+    return [_resolve(name, manifest, base_dir) for name, manifest in _expand(merged, sweep)]
+
+
+def _defaults() -> dict:
+    with open(Path(__file__).with_name("defaults.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set takes key=value, got {item!r}")
+    return key.strip(), parse_value(text.strip())
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (1, 1e-3, true, [1, 2], "x") or else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict, key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    if parts[0] not in (*TOP_LEVEL, *SLOTS, *CORE_TABLE_NAMES):
+        known = (*TOP_LEVEL, *SLOTS, *CORE_TABLE_NAMES)
+        raise UserError(f"unknown slot or table {parts[0]!r} in {source}{did_you_mean(parts[0], known)}", key=key)
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"{part!r} is not a table ({source})", key=key)
+        node = child
+    if len(parts) == 2 and parts[1] == "use" and node.get("use") != value:
+        # Switching plugins: validation keeps the table's options the new plugin declares and
+        # drops (with a note) those it does not, so `n_kv_heads` survives a sweep over mha/gqa/mqa.
+        tree.setdefault("_switched", []).append(parts[0])
+    node[parts[-1]] = value
+
+
+def _expand(merged: dict, sweep: dict):
+    """(variant name, manifest) for each point of the sweep grid, seeds innermost."""
+    seeds = sweep.get("seeds")
+    axes = {k: v for k, v in sweep.items() if k != "seeds"}
+    for key, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise UserError("a sweep axis must be a non-empty list", key=f"sweep.{key!r}")
+        if key.split(".")[0] not in (*SLOTS, *CORE_TABLE_NAMES, "seed"):
+            raise UserError(f"sweep key {key!r} names no slot or table", key=f"sweep.{key!r}")
+    if seeds is not None and (not isinstance(seeds, list) or not seeds
+                              or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        raise UserError("must be a non-empty list of integers", key="sweep.seeds")
+    grid = list(itertools.product(*axes.values())) or [()]
+    for point in grid:
+        for seed in seeds or [None]:
+            manifest = copy.deepcopy(merged)
+            parts = []
+            for key, value in zip(axes, point):
+                _set_dotted(manifest, key, value, source=f"[sweep] {key!r}")
+                parts.append(f"{key}={_short(value)}")
+            if seed is not None:
+                manifest["seed"] = seed
+                parts.append(f"seed={seed}")
+            manifest["_sweep"] = dict(zip(axes, point))
+            yield (",".join(parts) or "default"), manifest
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value).replace(" ", "")
+    return re.sub(r"[^A-Za-z0-9._=+-]", "_", str(text))
+
+
+def _resolve(variant_name: str, manifest: dict, base_dir: Path) -> Variant:
+    from lmlab.validate import validate_variant  # imports the named plugins, pydantic and torch
+
+    return validate_variant(variant_name, manifest, base_dir)

@@ -1,0 +1,114 @@
+"""The decoder-only transformer, assembled from position, attention and ffn plugins.
+
+Every plugin is asked for its module once, here, when the model is built; the forward pass only
+calls modules, so swapping a plugin costs nothing per step.
+"""
+
+import torch
+from torch import nn
+
+from lmlab.api import InferenceCache, MixerContext, ModelShape, ParamInfo
+from lmlab.norms import build_norm
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, shape: ModelShape, norm: str, norm_eps: float, attention, ffn, layer: int):
+        super().__init__()
+        self.norm1 = build_norm(norm, shape, norm_eps)
+        self.attn = attention.build(shape, layer)
+        self.norm2 = build_norm(norm, shape, norm_eps)
+        self.ffn = ffn.build(shape, layer)
+        self.dropout = nn.Dropout(shape.dropout)
+
+    def forward(self, x: torch.Tensor, ctx: MixerContext, state=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), ctx, state))
+        return x + self.dropout(self.ffn(self.norm2(x)))
+
+
+class LanguageModel(nn.Module):
+    """Token embedding → position → blocks → final norm → (tied) head; see ``lmlab.api.LanguageModel``."""
+
+    def __init__(self, shape: ModelShape, *, position, attention, ffn, norm: str = "layernorm",
+                 norm_eps: float = 1e-5, tie_embeddings: bool = True):
+        super().__init__()
+        self.shape = shape
+        self.block_size = shape.block_size
+        self.vocab_size = shape.vocab_size
+        self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
+        self.position = position.build(shape)
+        self.dropout = nn.Dropout(shape.dropout)
+        self.blocks = nn.ModuleList(Block(shape, norm, norm_eps, attention, ffn, i) for i in range(shape.n_layers))
+        self.norm_f = build_norm(norm, shape, norm_eps)
+        self.head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        if tie_embeddings:
+            # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
+            self.head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std) embeddings; each plugin module initialises its own weights."""
+        std = self.shape.init_std
+        nn.init.normal_(self.tok_emb.weight, 0.0, std)
+        if self.head.weight is not self.tok_emb.weight:
+            nn.init.normal_(self.head.weight, 0.0, std)
+        self.position.reset_parameters(self.shape)
+        for block in self.blocks:
+            block.attn.reset_parameters(self.shape)
+            block.ffn.reset_parameters(self.shape)
+            block.norm1.reset_parameters()
+            block.norm2.reset_parameters()
+        self.norm_f.reset_parameters()
+
+    @property
+    def max_context(self) -> int | None:
+        return self.position.max_positions
+
+    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
+        """idx (B, T) → logits (B, T, V)."""
+        start = cache.length if cache is not None else 0
+        T = idx.shape[1]
+        if self.max_context is not None and start + T > self.max_context:
+            raise ValueError(f"positions up to {start + T - 1} requested; this model's position scheme covers "
+                             f"0..{self.max_context - 1} (model.block_size); crop the context")
+        positions = torch.arange(start, start + T, device=idx.device)
+        ctx = MixerContext(position=self.position, positions=positions, start=start)
+        x = self.dropout(self.position.embed(self.tok_emb(idx), positions))  # (B, T, C)
+        states = cache.states if cache is not None else (None,) * len(self.blocks)
+        for block, state in zip(self.blocks, states):
+            x = block(x, ctx, state)
+        if cache is not None:
+            cache.length = start + T
+        return self.head(self.norm_f(x))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the auxiliary losses the ffn modules stored in their last forward (e.g. MoE balance)."""
+        losses = [b.ffn.aux_loss for b in self.blocks if getattr(b.ffn, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def new_cache(self, batch_size: int, max_len: int) -> InferenceCache:
+        if self.max_context is not None and max_len > self.max_context:
+            raise ValueError(f"max_len {max_len} exceeds the model's context of {self.max_context}")
+        p = self.head.weight
+        states = [b.attn.new_state(batch_size, max_len, p.device, p.dtype) for b in self.blocks]
+        return InferenceCache(states, max_len)
+
+    def param_infos(self) -> list[ParamInfo]:
+        """Trainable parameters; weight decay only for matrices that are not embeddings."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        return [ParamInfo(name, p, decay=p.dim() >= 2 and id(p) not in embeddings)
+                for name, p in self.named_parameters() if p.requires_grad]
+
+    def num_params(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def loss_and_logits(model: LanguageModel, objective, batch):
+    """One training/eval forward: the objective's loss plus any auxiliary loss the model reports."""
+    logits = model(batch.input_ids)
+    loss = objective.loss(logits, batch)
+    aux = model.aux_loss()
+    return (loss if aux is None else loss + aux), loss, logits
+
+

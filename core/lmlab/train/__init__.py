@@ -1,0 +1,1 @@
+"""The training path: token cache, batches, LightningModule, callbacks, run folder."""

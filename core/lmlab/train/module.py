@@ -1,0 +1,92 @@
+"""The LightningModule and DataModule around an assembled LanguageModel."""
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lmlab.api import IGNORE_INDEX
+from lmlab.model import loss_and_logits
+from lmlab.train.batches import FixedWindows, RandomWindows
+from lmlab.train.schedule import WarmupDecay
+
+
+class LMModule(L.LightningModule):
+    def __init__(self, model, objective, optimizer, train_cfg: dict, hooks):
+        super().__init__()
+        self.model = model
+        self.objective = objective
+        self.optimizer_plugin = optimizer
+        self.cfg = train_cfg
+        self.hooks = hooks
+        self.last_loss: torch.Tensor | None = None  # the most recent micro-batch's loss, not synced
+        self.val_loss: float | None = None
+        self._val_sum = self._val_count = None
+
+    def forward(self, idx, cache=None):
+        return self.model(idx, cache=cache)
+
+    def training_step(self, windows: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        batch = self.objective.make_batch(windows)
+        total, loss, _ = loss_and_logits(self.model, self.objective, batch)
+        self.last_loss = loss.detach()
+        return total
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._val_count = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def validation_step(self, windows: torch.Tensor, batch_idx: int) -> None:
+        batch = self.objective.make_batch(windows)
+        _, loss, _ = loss_and_logits(self.model, self.objective, batch)
+        n = (batch.targets != IGNORE_INDEX).sum()
+        self._val_sum += loss.double() * n
+        self._val_count += n
+
+    def on_validation_epoch_end(self) -> None:
+        total = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum")
+        count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
+        self.val_loss = (total / count.clamp(min=1)).item()
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_plugin.build(self.model.param_infos())
+        base_lr = optimizer.param_groups[0]["lr"]
+        min_lr = self.cfg["min_lr"] if self.cfg["min_lr"] is not None else base_lr / 10
+        schedule = WarmupDecay(self.cfg["warmup_steps"], self.cfg["decay_steps"] or self.cfg["max_steps"],
+                               min_lr / base_lr, self.cfg["lr_schedule"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.hooks.has("lmlab_before_optimizer_step"):
+            self.hooks.collect("lmlab_before_optimizer_step", step=self.trainer.global_step,
+                               model=self.model, optimizer=optimizer)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Dropout draws from the global generator: keep it so a resumed run continues identically.
+        checkpoint["lmlab_rng"] = torch.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "lmlab_rng" in checkpoint:
+            torch.set_rng_state(checkpoint["lmlab_rng"])
+
+
+class TokenDataModule(L.LightningDataModule):
+    def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
+                 seed: int, grad_accum: int):
+        super().__init__()
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.eval_batch_size, self.eval_steps, self.seed = eval_batch_size, eval_steps, seed
+        self.grad_accum = grad_accum
+        self.full_validation = False
+
+    def train_dataloader(self) -> DataLoader:
+        # Called after a checkpoint is restored, so global_step already says where to continue.
+        start = self.trainer.global_step * self.grad_accum
+        windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
+                                rank=self.trainer.global_rank, start=start)
+        return DataLoader(windows, batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        limit = None if self.full_validation else self.eval_steps * self.eval_batch_size
+        windows = FixedWindows(self.tokens.val, self.block_size, limit)
+        return DataLoader(windows, batch_size=self.eval_batch_size, shuffle=False)

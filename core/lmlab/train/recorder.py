@@ -1,0 +1,137 @@
+"""The callback that records a run: metrics.jsonl, the tracker, progress, hooks and checkpoints.
+
+Everything per step is cheap: the loss is synced to the host only every ``log_every`` steps, the
+progress line is redrawn at most twice a second, and checkpoints are written every
+``checkpoint_every`` steps, to a temporary file renamed over ``last.ckpt``.
+"""
+
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+
+from lmlab.train.rundir import MetricsLog
+
+
+class RunRecorder(L.Callback):
+    def __init__(self, run_dir: Path, cfg: dict, tokens_per_step: int, tracker, hooks, resume_step=None):
+        self.run_dir, self.cfg, self.tokens_per_step = run_dir, cfg, tokens_per_step
+        self.tracker, self.hooks = tracker, hooks
+        self.resume_step = resume_step
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.best_val_loss = math.inf
+        self.throughput: list[float] = []
+        self.train_loss: float | None = None
+        self.metrics: MetricsLog | None = None
+        self._window_start = self._last_draw = 0.0
+        self._window_step = 0
+        self._tty = sys.stderr.isatty()
+        self._started = time.monotonic()
+
+    # Lightning saves and restores this with the checkpoint.
+    def state_dict(self) -> dict:
+        return {"best_val_loss": self.best_val_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_val_loss = state.get("best_val_loss", math.inf)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=self.resume_step)
+        self._window_start, self._window_step = time.perf_counter(), trainer.global_step
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # still accumulating: no optimizer step happened
+        self._seen_step = step
+        extra = self.hooks.collect("lmlab_train_batch_end", step=step, loss=pl_module.last_loss,
+                                   model=pl_module.model) if self.hooks.has("lmlab_train_batch_end") else {}
+        if step % self.cfg["log_every"] == 0 or step == trainer.max_steps:
+            self._log_train(trainer, pl_module, step, extra)
+        elif extra and trainer.is_global_zero:
+            self._emit({"step": step, **extra})
+        if step % self.cfg["checkpoint_every"] == 0 or step == trainer.max_steps:
+            self.save_last(trainer)
+        self._draw(trainer, step)
+
+    def _log_train(self, trainer, pl_module, step: int, extra: dict) -> None:
+        now = time.perf_counter()
+        steps = step - self._window_step
+        tokens_per_s = steps * self.tokens_per_step * trainer.world_size / max(now - self._window_start, 1e-9)
+        self._window_start, self._window_step = now, step
+        self.throughput.append(tokens_per_s)
+        self.train_loss = pl_module.last_loss.item()  # the one host sync per log interval
+        if trainer.is_global_zero:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            self._emit({"step": step, "train_loss": self.train_loss, "lr": lr,
+                        "tokens_per_s": tokens_per_s, **extra})
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or pl_module.val_loss is None or trainer.state.fn != "fit":
+            return
+        step, val_loss = trainer.global_step, pl_module.val_loss
+        metrics = {"step": step, "val_loss": val_loss}
+        self.hooks.call("lmlab_validation_end", step=step, metrics=dict(metrics))
+        if trainer.is_global_zero:
+            self._emit(metrics)
+            self._say(f"step {step}: val_loss {val_loss:.4f}")
+        if val_loss < self.best_val_loss:
+            self.best_val_loss = val_loss
+            self._save(trainer, "best.ckpt")
+
+    def save_last(self, trainer) -> None:
+        self._save(trainer, "last.ckpt")
+
+    def _save(self, trainer, name: str) -> None:
+        # Every rank calls save_checkpoint (sharded strategies write from all of them); the main
+        # process then renames the finished file into place, which is atomic on POSIX.
+        path = self.ckpt_dir / name
+        tmp = self.ckpt_dir / f".{name}.tmp"
+        trainer.save_checkpoint(tmp)
+        if trainer.is_global_zero:
+            os.replace(tmp, path)
+            self.hooks.call("lmlab_checkpoint_saved", path=str(path), step=trainer.global_step)
+        trainer.strategy.barrier("lmlab-checkpoint")
+
+    def _emit(self, record: dict) -> None:
+        self.metrics.write(record)
+        if self.tracker is not None:
+            self.tracker.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def _draw(self, trainer, step: int) -> None:
+        if not (self._tty and trainer.is_global_zero):
+            return
+        now = time.monotonic()
+        if now - self._last_draw < 0.5 and step != trainer.max_steps:
+            return
+        self._last_draw = now
+        rate = self.throughput[-1] if self.throughput else 0.0
+        loss = f"{self.train_loss:.4f}" if self.train_loss is not None else "-"
+        done = step / trainer.max_steps
+        eta = (now - self._started) * (1 - done) / max(done, 1e-9)
+        bar = "#" * int(24 * done)
+        sys.stderr.write(f"\r[{bar:<24}] {step}/{trainer.max_steps} loss {loss} "
+                         f"{rate / 1000:.1f}k tok/s eta {eta:4.0f}s ")
+        sys.stderr.flush()
+
+    def _say(self, text: str) -> None:
+        if self._tty:
+            sys.stderr.write("\r\033[K")
+        print(text, file=sys.stderr, flush=True)
+
+    def median_tokens_per_s(self) -> float | None:
+        # The first window includes start-up (and compilation): leave it out when there are others.
+        values = self.throughput[1:] or self.throughput
+        return statistics.median(values) if values else None
+
+    def close(self) -> None:
+        if self._tty:
+            sys.stderr.write("\n")
+        if self.metrics is not None:
+            self.metrics.close()

@@ -1,0 +1,124 @@
+"""Running one variant end to end: tokens → model → Lightning fit → full validation → summary."""
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmlab.api import RunInfo
+from lmlab.hooks import Hooks
+from lmlab.train import build, tokens as token_cache
+from lmlab.train.rundir import write_json, write_toml
+
+
+@dataclass
+class RunResult:
+    summary: dict  # as written to summary.json
+    module: object  # the trained LMModule
+    tokens: object  # the TokenData (tokenizer included)
+    plugins: dict  # slot → plugin instance
+    is_main: bool  # this process is the main (rank 0) one
+
+
+def run_variant(variant, run_dir: Path, resume: bool = False) -> RunResult:
+    """Train ``variant`` into ``run_dir``; the summary is also written to summary.json."""
+    import lightning as L
+
+    from lmlab.train.module import LMModule, TokenDataModule
+    from lmlab.train.recorder import RunRecorder
+
+    started = time.perf_counter()
+    cfg = variant.manifest["train"]
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
+    L.seed_everything(variant.manifest["seed"], verbose=False)
+    plugins = build.instantiate_all(variant)
+    tokens = token_cache.prepare(variant)
+    shape = build.model_shape(variant, tokens.tokenizer.vocab_size)
+    model = build.build_model(variant, shape, plugins)
+    hooks = Hooks(p for value in plugins.values() for p in (value if isinstance(value, list) else [value]))
+    hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
+    if cfg["compile"]:
+        model = torch.compile(model)
+
+    resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
+    last_ckpt = run_dir / "checkpoints" / "last.ckpt"
+    ckpt_path = last_ckpt if resume and last_ckpt.is_file() else None
+    resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
+    provenance = build.provenance(variant)
+
+    parallel = plugins["parallel"].trainer_kwargs()
+    tracker = plugins["tracker"]
+    eval_bs = cfg["eval_batch_size"] or 4 * cfg["batch_size"]
+    datamodule = TokenDataModule(tokens, shape.block_size, cfg["batch_size"], eval_bs, cfg["eval_steps"],
+                                 variant.manifest["seed"], cfg["grad_accum"])
+    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks)
+    recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
+                           None, hooks, resume_step=resume_step)
+    trainer = L.Trainer(
+        max_steps=cfg["max_steps"], precision=cfg["precision"], accumulate_grad_batches=cfg["grad_accum"],
+        gradient_clip_val=cfg["grad_clip"] or None, val_check_interval=cfg["eval_every"] * cfg["grad_accum"],
+        check_val_every_n_epoch=None, limit_val_batches=cfg["eval_steps"], num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(run_dir), callbacks=[recorder], **parallel)
+    main = trainer.is_global_zero
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_toml(run_dir / "manifest.toml", _strip_private(resolved))
+        (run_dir / "tokenizer").mkdir(exist_ok=True)
+        tokens.tokenizer.save(run_dir / "tokenizer")
+        recorder.tracker = tracker
+        tracker.start(RunInfo(run_dir=run_dir, group=variant.manifest["name"], name=variant.name,
+                              config=resolved, flat_config=build.flatten(resolved), plugins=provenance,
+                              resume=ckpt_path is not None))
+    summary = {"status": "failed", "steps": resume_step or 0}
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        if trainer.interrupted:
+            raise KeyboardInterrupt
+        datamodule.full_validation = True
+        trainer.limit_val_batches = 1.0
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        summary = {
+            "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
+            "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
+            "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
+        }
+    except (KeyboardInterrupt, SystemExit):
+        summary = {"status": "interrupted", "steps": trainer.global_step}
+        raise
+    except Exception as exc:
+        summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": trainer.global_step}
+        raise
+    finally:
+        recorder.close()
+        summary.update(wall_s=time.perf_counter() - started, params=model.num_params(),
+                       trainable_params=model.num_params(trainable_only=True), peak_mem_mb=_peak_mem_mb(),
+                       plugins=provenance, environment=build.environment())
+        if main:
+            write_json(run_dir / "summary.json", summary)
+            tracker.finish(summary, summary["status"])
+    if main:
+        hooks.call("lmlab_fit_end", summary=summary)
+    return RunResult(summary, module, tokens, plugins, main)
+
+
+def _strip_private(manifest: dict) -> dict:
+    return {k: v for k, v in manifest.items() if not k.startswith("_")}
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return int(checkpoint.get("global_step", 0))
+
+
+def _peak_mem_mb() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    # CPU: the process's peak resident set (Linux reports KiB); covers every variant run so far.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+

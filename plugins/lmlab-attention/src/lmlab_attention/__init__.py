@@ -1,0 +1,1 @@
+"""Softmax attention plugins for lmlab: mha, gqa, mqa. Loaded through entry points, never by import."""

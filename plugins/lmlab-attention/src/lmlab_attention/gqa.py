@@ -1,0 +1,124 @@
+"""Causal softmax self-attention with grouped key/value heads: ``gqa``, and its two ends ``mha``, ``mqa``.
+
+Multi-head attention (Vaswani et al. 2017, "Attention Is All You Need") gives every query head its own
+key and value head. Multi-query attention (Shazeer 2019, "Fast Transformer Decoding: One Write-Head is
+All You Need") shares one key/value head among all query heads, which shrinks the KV cache by a factor
+of ``n_heads`` and makes decoding memory-bound work cheaper. Grouped-query attention (Ainslie et al.
+2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints") sits in
+between: ``n_kv_heads`` key/value heads, each shared by a group of ``n_heads / n_kv_heads`` consecutive
+query heads. MHA is GQA with ``n_kv_heads = n_heads``; MQA is GQA with ``n_kv_heads = 1``, so all three
+run the same code below.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.api import Attention, AttentionModule, Field, KVCache, MixerContext, ModelShape, Options, UserError
+
+
+class CausalSelfAttention(AttentionModule):
+    """Scaled dot-product attention of ``n_heads`` query heads over ``n_kv_heads`` key/value heads."""
+
+    def __init__(self, shape: ModelShape, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
+        inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
+        # keys and values in one matmul; rows [0, kv_inner) are keys, [kv_inner, 2 kv_inner) values
+        self.kv_proj = nn.Linear(shape.d_model, 2 * kv_inner, bias=shape.bias)
+        self.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
+        # No dropout after out_proj: the model applies residual dropout to every mixer's output.
+        self.dropout = shape.dropout
+        self.reset_parameters(shape)
+
+    def forward(self, x: torch.Tensor, ctx: MixerContext, state: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, hs).transpose(1, 2)                   # (B, H, T, hs)
+        k, v = self.kv_proj(x).view(B, T, 2, Hkv, hs).permute(2, 0, 3, 1, 4)    # 2 x (B, Hkv, T, hs)
+        if ctx.position.rotates:
+            q, k = ctx.position.rotate(q, k, ctx.positions)
+        if state is not None:
+            k, v = state.update(k, v, ctx.start)                                # (B, Hkv, S, hs), S = start + T
+        mask, is_causal = self._mask(ctx, T, k.shape[2], q.dtype)
+        # enable_gqa lets SDPA share each kv head across its query group without materialising copies;
+        # on CPU it measured faster than repeat_interleave, and it is a no-op for MHA.
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=True)  # (B, H, T, hs)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hs))       # (B, T, C)
+
+    def _mask(self, ctx: MixerContext, T: int, S: int, dtype: torch.dtype):
+        """(attn_mask, is_causal) for T queries that are the last T of S keys.
+
+        SDPA takes either ``is_causal`` or ``attn_mask``, and its ``is_causal`` aligns the triangle to
+        the top left, so it only fits when queries and keys are the same tokens (training, prefill).
+        """
+        device = ctx.positions.device
+        bias = None
+        if ctx.position.biases:
+            # Cached keys hold consecutive positions ending at the last query's.
+            k_positions = ctx.positions if S == T else ctx.positions[0] - ctx.start + torch.arange(S, device=device)
+            bias = ctx.position.attention_bias(ctx.positions, k_positions)         # (H, T, S)
+        if T == 1:  # one new token sees everything cached before it
+            return (None if bias is None else bias.to(dtype)), False
+        if bias is None and S == T:
+            return None, True
+        causal = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)  # query t sees keys ≤ start + t
+        if bias is None:
+            return causal, False
+        return bias.to(dtype).masked_fill(~causal, float("-inf")), False
+
+    def new_state(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
+        return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, device=device, dtype=dtype)
+
+    def reset_parameters(self, shape: ModelShape) -> None:
+        nn.init.normal_(self.q_proj.weight, mean=0.0, std=shape.init_std)
+        nn.init.normal_(self.kv_proj.weight, mean=0.0, std=shape.init_std)
+        nn.init.normal_(self.out_proj.weight, mean=0.0, std=shape.residual_init_std)
+        for linear in (self.q_proj, self.kv_proj, self.out_proj):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+
+class GroupedQueryAttentionOptions(Options):
+    n_kv_heads: int | None = Field(
+        None, ge=1, help="key/value heads, each shared by n_heads / n_kv_heads query heads; must divide "
+                         "model.n_heads; default (unset) = model.n_heads, as in Hugging Face's Llama")
+
+
+class GroupedQueryAttention(Attention):
+    """``gqa``: ``n_kv_heads`` key/value heads shared by groups of query heads (Ainslie et al. 2023)."""
+
+    Options = GroupedQueryAttentionOptions
+
+    def kv_heads(self, shape: ModelShape) -> int:
+        n_kv_heads = self.options.n_kv_heads or shape.n_heads
+        if shape.n_heads % n_kv_heads:
+            raise UserError(f"must divide model.n_heads = {shape.n_heads}; got {n_kv_heads}",
+                            key="attention.n_kv_heads")
+        return n_kv_heads
+
+    def build(self, shape: ModelShape, layer: int) -> CausalSelfAttention:
+        if shape.d_model % shape.n_heads:
+            raise UserError(f"must divide model.d_model = {shape.d_model}; got {shape.n_heads}", key="model.n_heads")
+        return CausalSelfAttention(shape, self.kv_heads(shape))
+
+
+class MultiHeadAttention(GroupedQueryAttention):
+    """``mha``: one key/value head per query head (Vaswani et al. 2017)."""
+
+    Options = Attention.Options  # nothing to choose
+
+    def kv_heads(self, shape: ModelShape) -> int:
+        return shape.n_heads
+
+
+class MultiQueryAttention(GroupedQueryAttention):
+    """``mqa``: a single key/value head shared by every query head (Shazeer 2019)."""
+
+    Options = Attention.Options  # nothing to choose
+
+    def kv_heads(self, shape: ModelShape) -> int:
+        return 1

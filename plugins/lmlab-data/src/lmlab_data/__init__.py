@@ -1,0 +1,1 @@
+"""Data sources for lmlab (entry point ``text-file``)."""

@@ -1,0 +1,1 @@
+"""Decoding methods for lmlab (entry points ``greedy`` and ``sample``)."""

@@ -1,0 +1,1 @@
+"""Feed-forward plugins for lmlab: mlp, swiglu. Loaded through entry points, never by import."""

@@ -1,0 +1,1 @@
+"""Training objectives for lmlab (entry point ``causal-lm``)."""

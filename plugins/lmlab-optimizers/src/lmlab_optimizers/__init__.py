@@ -1,0 +1,1 @@
+"""Optimizers for lmlab (entry point ``adamw``)."""

@@ -1,0 +1,1 @@
+"""Position plugins for lmlab: learned, rope. Loaded through entry points, never by import."""

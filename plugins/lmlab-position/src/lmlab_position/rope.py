@@ -1,0 +1,66 @@
+"""Rotary position embedding: ``rope`` (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary
+Position Embedding").
+
+Each query and key is rotated, pair of dimensions by pair, through an angle proportional to its
+position: dimension pair i turns at frequency ``base ** (-2i / head_dim)``. A rotation preserves
+norms, and the dot product of a query rotated to m with a key rotated to n depends on m and n only
+through m - n, so attention scores see relative positions while nothing is added to the residual
+stream.
+
+Dimensions are paired as (i, i + head_dim/2) — the "rotate_half" layout of GPT-NeoX, Llama and
+Hugging Face transformers — rather than the interleaved (2i, 2i+1) pairs of the paper, so weights
+move to and from Hugging Face checkpoints unchanged.
+"""
+
+import torch
+
+from lmlab.api import Field, ModelShape, Options, Position, PositionModule, UserError
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) → (-x2, x1) on the two halves of the last dimension: a quarter turn of every pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(PositionModule):
+    """Rotates q (B, H, T, hs) and k (B, Hkv, T, hs) by their positions."""
+
+    rotates = True
+    max_positions = None  # angles exist for every position
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        self.head_dim, self.base = head_dim, base
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Always in float32 from scratch (not from a buffer that .to(bfloat16) may have rounded):
+        # position x frequency loses whole radians in half precision at long positions.
+        inv_freq = 1.0 / (self.base ** (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float, device=positions.device) / self.head_dim))
+        freqs = positions[:, None].float() * inv_freq                           # (T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, hs): pair i and i + hs/2 share an angle
+        return emb.cos(), emb.sin()
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        # Computed per call rather than looked up in a table: (T, hs) cos/sin cost little next to
+        # attention, need no bounds check (which would sync the device) and stay exact in float32.
+        cos, sin = self._angles(positions)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # broadcast over batch and heads, so H != Hkv is fine
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RotaryPositionOptions(Options):
+    base: float = Field(10000.0, gt=0, help="rotary base (theta): the slowest pair turns once every ~2π·base positions")
+
+
+class RotaryPosition(Position):
+    """``rope``: rotate queries and keys by position (RoFormer)."""
+
+    Options = RotaryPositionOptions
+
+    def build(self, shape: ModelShape) -> RotaryEmbedding:
+        if shape.head_dim % 2:
+            raise UserError(f"rope rotates pairs of dimensions, so the head size model.d_model / model.n_heads "
+                            f"must be even; got {shape.head_dim}", key="position.use")
+        return RotaryEmbedding(shape.head_dim, self.options.base)

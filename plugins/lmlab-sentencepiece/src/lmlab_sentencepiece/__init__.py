@@ -1,0 +1,1 @@
+"""SentencePiece tokenizers for lmlab (entry point ``sentencepiece``)."""

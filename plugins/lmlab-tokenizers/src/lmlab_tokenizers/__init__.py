@@ -1,0 +1,1 @@
+"""Character- and byte-level tokenizers for lmlab (entry points ``char`` and ``byte``)."""

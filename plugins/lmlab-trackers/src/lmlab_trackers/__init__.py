@@ -1,0 +1,1 @@
+"""Tracker-slot plugins for lmlab that need no third-party service."""
