@@ -84,9 +84,11 @@ class TokenDataModule(L.LightningDataModule):
         start = self.trainer.global_step * self.grad_accum
         windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
                                 rank=self.trainer.global_rank, start=start)
-        return DataLoader(windows, batch_size=None)
+        # Own generators: iterating a DataLoader draws a seed from its generator, and drawing it from
+        # the global one would shift every later dropout mask when a resumed run re-creates it.
+        return DataLoader(windows, batch_size=None, generator=torch.Generator())
 
     def val_dataloader(self) -> DataLoader:
         limit = None if self.full_validation else self.eval_steps * self.eval_batch_size
         windows = FixedWindows(self.tokens.val, self.block_size, limit)
-        return DataLoader(windows, batch_size=self.eval_batch_size, shuffle=False)
+        return DataLoader(windows, batch_size=self.eval_batch_size, shuffle=False, generator=torch.Generator())

@@ -93,7 +93,7 @@ class RunRecorder(L.Callback):
         # process then renames the finished file into place, which is atomic on POSIX.
         path = self.ckpt_dir / name
         tmp = self.ckpt_dir / f".{name}.tmp"
-        trainer.save_checkpoint(tmp)
+        trainer.save_checkpoint(tmp, weights_only=False)  # full state: resumable
         if trainer.is_global_zero:
             os.replace(tmp, path)
             self.hooks.call("lmlab_checkpoint_saved", path=str(path), step=trainer.global_step)

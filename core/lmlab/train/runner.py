@@ -1,7 +1,10 @@
 """Running one variant end to end: tokens → model → Lightning fit → full validation → summary."""
 
+import logging
 import math
+import os
 import resource
+import warnings
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False) -> RunResult:
     from lmlab.train.recorder import RunRecorder
 
     started = time.perf_counter()
+    _quiet_lightning()
     cfg = variant.manifest["train"]
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
@@ -81,7 +85,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False) -> RunResult:
             raise KeyboardInterrupt
         datamodule.full_validation = True
         trainer.limit_val_batches = 1.0
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+        trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)
         summary = {
             "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
             "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
@@ -104,6 +108,16 @@ def run_variant(variant, run_dir: Path, resume: bool = False) -> RunResult:
     if main:
         hooks.call("lmlab_fit_end", summary=summary)
     return RunResult(summary, module, tokens, plugins, main)
+
+
+def _quiet_lightning() -> None:
+    # Lightning's start-up banners (GPU available, tips) and deprecation chatter bury our own
+    # output; LMLAB_VERBOSE=1 brings them back.
+    if os.environ.get("LMLAB_VERBOSE"):
+        return
+    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def _strip_private(manifest: dict) -> dict:

@@ -1,0 +1,83 @@
+"""End-to-end runs of a tiny model: the run folder DESIGN.md §5 promises, refusal to overwrite,
+resume, generation."""
+
+import json
+import math
+import tomllib
+
+import torch
+
+from lmlab.cli.main import main
+
+
+def run(path, out, *extra):
+    return main(["run", str(path), "--out", str(out), *extra])
+
+
+def test_a_run_writes_the_promised_outputs(tiny_manifest, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert run(tiny_manifest(), out) == 0
+    stdout = capsys.readouterr().out
+    run_dir = out / "default"
+    resolved = tomllib.loads((run_dir / "manifest.toml").read_text())
+    assert resolved["model"]["vocab_size"] > 0 and resolved["attention"]["use"] == "mha"
+    assert resolved["optimizer"]["lr"] > 0 and resolved["train"]["max_steps"] == 6
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train_loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert all({"step", "train_loss", "lr", "tokens_per_s"} <= r.keys() for r in train)
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("val_loss", "val_ppl", "train_loss", "tokens_per_s", "wall_s", "params", "trainable_params",
+                "peak_mem_mb", "steps", "plugins", "status"):
+        assert summary[key] is not None, key
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)
+    assert summary["plugins"]["attention"] == {"name": "mha", "distribution": "lmlab-attention",
+                                               "version": summary["plugins"]["attention"]["version"]}
+    assert summary["params"] == summary["trainable_params"] > 0
+
+    for name in ("last.ckpt", "best.ckpt"):
+        checkpoint = torch.load(run_dir / "checkpoints" / name, weights_only=True)
+        assert checkpoint["global_step"] == 6 or name == "best.ckpt"
+    assert not list((run_dir / "checkpoints").glob(".*"))  # no temporary files left behind
+    assert "val_loss" in stdout and "--- sample" in stdout
+
+
+def test_an_existing_run_is_not_overwritten_and_resume_skips_completed(tiny_manifest, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert run(tiny_manifest(), out) == 0
+    before = (out / "default" / "summary.json").read_text()
+    capsys.readouterr()
+    assert run(tiny_manifest(), out) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert run(tiny_manifest(), out, "--resume") == 0
+    assert "already completed" in capsys.readouterr().err
+    assert (out / "default" / "summary.json").read_text() == before
+
+
+def test_variants_share_one_token_cache(tiny_manifest, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LMLAB_CACHE", str(cache))
+    path = tiny_manifest('[sweep]\n"attention.use" = ["mha", "mqa"]\n', steps=2, eval_every=2)
+    assert run(path, tmp_path / "runs", "--set", "train.sample_tokens=0") == 0
+    assert len(list((cache / "tokens").iterdir())) == 1
+    assert {p.name for p in (tmp_path / "runs").iterdir()} == {"attention.use=mha", "attention.use=mqa"}
+
+
+def test_generate_continues_a_prompt_from_the_best_checkpoint(tiny_manifest, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert run(tiny_manifest(), out, "--set", "train.sample_tokens=0") == 0
+    capsys.readouterr()
+    assert main(["generate", str(out / "default"), "--prompt", "ROMEO:", "--max-new-tokens", "12"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:") + 1
+    assert main(["generate", str(out / "default"), "--prompt", "ROMEO:", "--max-new-tokens", "12",
+                 "--set", "decoding.use=sample", "--set", "decoding.top_k=5"]) == 0
+
+
+def test_generate_on_a_folder_that_is_no_run_is_bad_input(tmp_path, capsys):
+    assert main(["generate", str(tmp_path)]) == 2
+    assert "not a run folder" in capsys.readouterr().err
