@@ -28,6 +28,7 @@ class PluginInfo:
     version: str
 
 
+@cache
 def installed() -> dict[str, list[PluginInfo]]:
     """slot → plugins declared by installed distributions (duplicates kept, so they can be reported)."""
     found: dict[str, list[PluginInfo]] = {slot: [] for slot in SLOTS}

@@ -20,7 +20,8 @@ class Block(nn.Module):
         self.attn = attention.build(shape, layer)
         self.norm2 = build_norm(norm, shape, norm_eps)
         self.ffn = ffn.build(shape, layer)
-        self.dropout = nn.Dropout(shape.dropout)
+        # Identity rather than Dropout(0): a dropout call with p = 0 still costs a kernel per use.
+        self.dropout = nn.Dropout(shape.dropout) if shape.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx: MixerContext, state=None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.norm1(x), ctx, state))
@@ -38,7 +39,7 @@ class LanguageModel(nn.Module):
         self.vocab_size = shape.vocab_size
         self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
         self.position = position.build(shape)
-        self.dropout = nn.Dropout(shape.dropout)
+        self.dropout = nn.Dropout(shape.dropout) if shape.dropout else nn.Identity()
         self.blocks = nn.ModuleList(Block(shape, norm, norm_eps, attention, ffn, i) for i in range(shape.n_layers))
         self.norm_f = build_norm(norm, shape, norm_eps)
         self.head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)

@@ -10,6 +10,9 @@ from lmlab.train.batches import FixedWindows, RandomWindows
 from lmlab.train.schedule import WarmupDecay
 
 
+_PLAIN_ATTRIBUTES = frozenset({"_current_fx_name", "_param_requires_grad_state", "_metric_attributes"})
+
+
 class LMModule(L.LightningModule):
     def __init__(self, model, objective, optimizer, train_cfg: dict, hooks):
         super().__init__()
@@ -21,6 +24,15 @@ class LMModule(L.LightningModule):
         self.last_loss: torch.Tensor | None = None  # the most recent micro-batch's loss, not synced
         self.val_loss: float | None = None
         self._val_sum = self._val_count = None
+
+    def __setattr__(self, name: str, value) -> None:
+        # Lightning sets bookkeeping attributes (``_current_fx_name``) around every hook call, dozens
+        # of times per step; nn.Module.__setattr__ checks each against parameters, buffers and
+        # submodules. Plain values on names that are none of those can skip that.
+        if not isinstance(value, (torch.nn.Module, torch.Tensor)) and name in _PLAIN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, idx, cache=None):
         return self.model(idx, cache=cache)

@@ -24,9 +24,9 @@ class CausalSelfAttention(AttentionModule):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
         inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
-        self.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
-        # keys and values in one matmul; rows [0, kv_inner) are keys, [kv_inner, 2 kv_inner) values
-        self.kv_proj = nn.Linear(shape.d_model, 2 * kv_inner, bias=shape.bias)
+        # Queries, keys and values in one matmul (one kernel launch, one weight read); rows
+        # [0, inner) are queries, then kv_inner rows of keys, then kv_inner rows of values.
+        self.qkv_proj = nn.Linear(shape.d_model, inner + 2 * kv_inner, bias=shape.bias)
         self.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
         # No dropout after out_proj: the model applies residual dropout to every mixer's output.
         self.dropout = shape.dropout
@@ -35,8 +35,10 @@ class CausalSelfAttention(AttentionModule):
     def forward(self, x: torch.Tensor, ctx: MixerContext, state: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, hs).transpose(1, 2)                   # (B, H, T, hs)
-        k, v = self.kv_proj(x).view(B, T, 2, Hkv, hs).permute(2, 0, 3, 1, 4)    # 2 x (B, Hkv, T, hs)
+        q, k, v = self.qkv_proj(x).split([H * hs, Hkv * hs, Hkv * hs], dim=-1)
+        q = q.view(B, T, H, hs).transpose(1, 2)                                # (B, H, T, hs)
+        k = k.view(B, T, Hkv, hs).transpose(1, 2)                              # (B, Hkv, T, hs)
+        v = v.view(B, T, Hkv, hs).transpose(1, 2)                              # (B, Hkv, T, hs)
         if ctx.position.rotates:
             q, k = ctx.position.rotate(q, k, ctx.positions)
         if state is not None:
@@ -74,10 +76,9 @@ class CausalSelfAttention(AttentionModule):
         return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, device=device, dtype=dtype)
 
     def reset_parameters(self, shape: ModelShape) -> None:
-        nn.init.normal_(self.q_proj.weight, mean=0.0, std=shape.init_std)
-        nn.init.normal_(self.kv_proj.weight, mean=0.0, std=shape.init_std)
+        nn.init.normal_(self.qkv_proj.weight, mean=0.0, std=shape.init_std)
         nn.init.normal_(self.out_proj.weight, mean=0.0, std=shape.residual_init_std)
-        for linear in (self.q_proj, self.kv_proj, self.out_proj):
+        for linear in (self.qkv_proj, self.out_proj):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
 
