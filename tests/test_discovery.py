@@ -117,3 +117,62 @@ def test_plugins_of_one_slot(site):
 def test_plugins_of_an_unknown_slot_is_bad_input(site):
     result = cli(site, "plugins", "attenion")
     assert result.returncode == 2 and "did you mean 'attention'" in result.stderr
+
+
+HOOKS = '''
+import json, os
+from lmlab.api import Plugin, hookimpl
+
+
+class CallRecorder(Plugin):
+    """A monitor that records which lifecycle hooks ran and adds a metric to every step."""
+
+    def _note(self, name, **data):
+        with open(os.environ["HOOK_LOG"], "a") as f:
+            f.write(json.dumps({"hook": name, **data}) + "\\n")
+
+    @hookimpl
+    def lmlab_model_built(self, model):
+        self._note("model_built", params=sum(p.numel() for p in model.parameters()))
+
+    @hookimpl
+    def lmlab_before_optimizer_step(self, step, optimizer):
+        self._note("before_optimizer_step", step=step)
+
+    @hookimpl
+    def lmlab_train_batch_end(self, step):
+        return {"doubled_step": 2 * step}
+
+    @hookimpl
+    def lmlab_validation_end(self, step, metrics):
+        self._note("validation_end", step=step, val_loss=metrics["val_loss"])
+
+    @hookimpl
+    def lmlab_checkpoint_saved(self, path, step):
+        self._note("checkpoint_saved", step=step, exists=os.path.exists(path))
+
+    @hookimpl
+    def lmlab_fit_end(self, summary):
+        self._note("fit_end", status=summary["status"])
+'''
+
+
+def test_hooks_of_a_loaded_plugin_run_through_the_lifecycle(tmp_path, tiny_manifest):
+    import json
+
+    site = tmp_path / "site"
+    site.mkdir()
+    fake_dist(site, "lmlab-callrec", "lmlab_callrec", HOOKS, {"lmlab.monitor": {"call-recorder": "lmlab_callrec:CallRecorder"}})
+    log = tmp_path / "hooks.jsonl"
+    path = tiny_manifest('[monitor]\nuse = ["call-recorder"]\n', steps=4, eval_every=2, checkpoint_every=2)
+    result = run_cli("run", str(path), "--out", str(tmp_path / "runs"), "--set", "train.sample_tokens=0",
+                     env={"PYTHONPATH": str(site), "HOOK_LOG": str(log)})
+    assert result.returncode == 0, result.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    names = [c["hook"] for c in calls]
+    assert names[0] == "model_built" and names[-1] == "fit_end" and calls[-1]["status"] == "completed"
+    assert [c["step"] for c in calls if c["hook"] == "before_optimizer_step"] == [0, 1, 2, 3]
+    assert [c["step"] for c in calls if c["hook"] == "validation_end"] == [2, 4]
+    assert all(c["exists"] for c in calls if c["hook"] == "checkpoint_saved")
+    records = [json.loads(line) for line in (tmp_path / "runs" / "default" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["doubled_step"] for r in records if "doubled_step" in r} == {1: 2, 2: 4, 3: 6, 4: 8}

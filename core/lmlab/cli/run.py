@@ -1,6 +1,7 @@
 """``lmlab run MANIFEST``: trains every variant into ``runs/<name>/<variant>/``."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,26 +21,30 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     variants = manifest.load(args.manifest, args.overrides)
     out = args.out or Path("runs") / variants[0].manifest["name"]
+    main_process = _is_main_process()
+    say = (lambda text: print(text, file=sys.stderr)) if main_process else (lambda text: None)
     plan = []
     for variant in variants:
         run_dir = out / variant.name
         status = _status(run_dir)
         if status == "completed" and args.resume:
-            print(f"[{variant.name}] already completed; skipped", file=sys.stderr)
+            say(f"[{variant.name}] already completed; skipped")
             continue
-        if status is not None and not args.resume:
+        # Other ranks of a distributed run re-run this command after the main one has checked the
+        # folder and started writing there: only the main process refuses to overwrite.
+        if status is not None and not args.resume and main_process:
             raise UserError(f"{run_dir} already holds a run ({status}); pass --resume to continue it, "
                             "or --out to write elsewhere", key=str(run_dir))
         plan.append((variant, run_dir))
     for note in {n for v, _ in plan for n in v.notes}:
-        print(f"note: {note}", file=sys.stderr)
+        say(f"note: {note}")
 
     from lmlab.sampling import generate_text
     from lmlab.train.runner import run_variant
 
     failed = 0
     for i, (variant, run_dir) in enumerate(plan, 1):
-        print(f"[{i}/{len(plan)}] {variant.name} → {run_dir}", file=sys.stderr)
+        say(f"[{i}/{len(plan)}] {variant.name} → {run_dir}")
         result = run_variant(variant, run_dir, resume=args.resume)
         s = result.summary
         if not result.is_main:
@@ -55,6 +60,11 @@ def main(args) -> int:
                                  cfg["sample_prompt"], cfg["sample_tokens"], seed=variant.manifest["seed"])
             print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---")
     return 1 if failed else 0
+
+
+def _is_main_process() -> bool:
+    """False in the worker processes of a distributed launch (Lightning, torchrun, SLURM)."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
 def _status(run_dir: Path) -> str | None:

@@ -80,7 +80,9 @@ class RunRecorder(L.Callback):
         self.hooks.call("lmlab_validation_end", step=step, metrics=dict(metrics))
         if trainer.is_global_zero:
             self._emit(metrics)
-            self._say(f"step {step}: val_loss {val_loss:.4f}")
+            train = f" | train_loss {self.train_loss:.4f}" if self.train_loss is not None else ""
+            rate = f" | {self.throughput[-1]:,.0f} tokens/s" if self.throughput else ""
+            self._say(f"step {step}/{trainer.max_steps}{train} | val_loss {val_loss:.4f}{rate}")
         if val_loss < self.best_val_loss:
             self.best_val_loss = val_loss
             self._save(trainer, "best.ckpt")

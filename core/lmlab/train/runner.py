@@ -26,8 +26,11 @@ class RunResult:
     is_main: bool  # this process is the main (rank 0) one
 
 
-def run_variant(variant, run_dir: Path, resume: bool = False) -> RunResult:
-    """Train ``variant`` into ``run_dir``; the summary is also written to summary.json."""
+def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) -> RunResult:
+    """Train ``variant`` into ``run_dir``; the summary is also written to summary.json.
+
+    ``extra_hooks``: further objects with ``@hookimpl`` methods (a notebook's probe, a benchmark).
+    """
     import lightning as L
 
     from lmlab.train.module import LMModule, TokenDataModule
@@ -43,7 +46,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False) -> RunResult:
     tokens = token_cache.prepare(variant)
     shape = build.model_shape(variant, tokens.tokenizer.vocab_size)
     model = build.build_model(variant, shape, plugins)
-    hooks = Hooks(p for value in plugins.values() for p in (value if isinstance(value, list) else [value]))
+    hooks = Hooks([*(p for value in plugins.values() for p in (value if isinstance(value, list) else [value])),
+                   *extra_hooks])
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
     if cfg["compile"]:
         model = torch.compile(model)
