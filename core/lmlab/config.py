@@ -43,7 +43,9 @@ class TrainOptions(Options):
     eval_batch_size: int | None = Field(None, gt=0, help="sequences per eval batch (default: 4 × batch_size)")
     checkpoint_every: int = Field(250, gt=0, help="write checkpoints/last.ckpt every this many steps")
     log_every: int = Field(10, gt=0, help="write a metrics.jsonl line every this many steps")
-    compile: bool = Field(False, help="torch.compile the model")
+    compile: bool = Field(False, help="torch.compile the model (compile time is reported apart, as compile_s)")
+    checkpointing: Literal["none", "full", "ffn", "attention"] = Field(
+        "none", help="activation checkpointing: recompute this part of each block in backward to save memory")
     threads: int | None = Field(None, gt=0, help="torch intra-op threads (default: torch's choice)")
     sample_tokens: int = Field(200, ge=0, help="tokens of text to generate at the end (0: none)")
     sample_prompt: str = Field("\n", help="prompt for that sample")

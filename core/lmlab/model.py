@@ -4,15 +4,26 @@ Every plugin is asked for its module once, here, when the model is built; the fo
 calls modules, so swapping a plugin costs nothing per step.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lmlab.api import InferenceCache, MixerContext, ModelShape, ParamInfo
 from lmlab.norms import build_norm
 
 
+CHECKPOINTING = ("none", "full", "ffn", "attention")
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x)).
+
+    Activation checkpointing recomputes a part's activations during backward instead of keeping
+    them: ``full`` the whole block, ``attention`` or ``ffn`` only that part (e.g. the ffn holds the
+    widest activations, 4·d per token, but is cheap to recompute).
+    """
 
     def __init__(self, shape: ModelShape, norm: str, norm_eps: float, attention, ffn, layer: int):
         super().__init__()
@@ -22,10 +33,29 @@ class Block(nn.Module):
         self.ffn = ffn.build(shape, layer)
         # Identity rather than Dropout(0): a dropout call with p = 0 still costs a kernel per use.
         self.dropout = nn.Dropout(shape.dropout) if shape.dropout else nn.Identity()
+        self.checkpointing = "none"
 
     def forward(self, x: torch.Tensor, ctx: MixerContext, state=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x), ctx, state))
-        return x + self.dropout(self.ffn(self.norm2(x)))
+        policy = self.checkpointing if self.training and torch.is_grad_enabled() else "none"
+        if policy == "full":
+            return checkpoint(self._forward, x, ctx, state, use_reentrant=False)
+        if policy == "attention":
+            x = x + checkpoint(self._mix, x, ctx, state, use_reentrant=False)
+        else:
+            x = x + self._mix(x, ctx, state)
+        if policy == "ffn":
+            return x + checkpoint(self._feed_forward, x, use_reentrant=False)
+        return x + self._feed_forward(x)
+
+    def _forward(self, x, ctx, state):
+        x = x + self._mix(x, ctx, state)
+        return x + self._feed_forward(x)
+
+    def _mix(self, x, ctx, state):
+        return self.dropout(self.attn(self.norm1(x), ctx, state))
+
+    def _feed_forward(self, x):
+        return self.dropout(self.ffn(self.norm2(x)))
 
 
 class LanguageModel(nn.Module):
@@ -61,6 +91,13 @@ class LanguageModel(nn.Module):
             block.norm1.reset_parameters()
             block.norm2.reset_parameters()
         self.norm_f.reset_parameters()
+
+    def set_checkpointing(self, policy: str) -> None:
+        """Activation checkpointing for every block: one of CHECKPOINTING."""
+        if policy not in CHECKPOINTING:
+            raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {policy!r}")
+        for block in self.blocks:
+            block.checkpointing = policy
 
     @property
     def max_context(self) -> int | None:
@@ -105,11 +142,18 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
-def loss_and_logits(model: LanguageModel, objective, batch):
-    """One training/eval forward: the objective's loss plus any auxiliary loss the model reports."""
+class StepLoss(NamedTuple):
+    total: torch.Tensor  # what is minimised: the objective's loss plus auxiliary losses
+    loss: torch.Tensor  # the objective's loss alone (reported as train/val loss)
+    aux: torch.Tensor | None  # the sum of the auxiliary losses, if any module reported one
+    logits: torch.Tensor
+
+
+def compute_loss(model: LanguageModel, objective, batch) -> StepLoss:
+    """One training/eval forward."""
     logits = model(batch.input_ids)
     loss = objective.loss(logits, batch)
     aux = model.aux_loss()
-    return (loss if aux is None else loss + aux), loss, logits
+    return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)
 
 

@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmlab.api import IGNORE_INDEX
-from lmlab.model import loss_and_logits
+from lmlab.model import compute_loss
 from lmlab.train.batches import FixedWindows, RandomWindows
 from lmlab.train.schedule import WarmupDecay
 
@@ -22,6 +22,7 @@ class LMModule(L.LightningModule):
         self.cfg = train_cfg
         self.hooks = hooks
         self.last_loss: torch.Tensor | None = None  # the most recent micro-batch's loss, not synced
+        self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
         self.val_loss: float | None = None
         self._val_sum = self._val_count = None
 
@@ -39,9 +40,10 @@ class LMModule(L.LightningModule):
 
     def training_step(self, windows: torch.Tensor, batch_idx: int) -> torch.Tensor:
         batch = self.objective.make_batch(windows)
-        total, loss, _ = loss_and_logits(self.model, self.objective, batch)
-        self.last_loss = loss.detach()
-        return total
+        out = compute_loss(self.model, self.objective, batch)
+        self.last_loss = out.loss.detach()
+        self.last_aux = out.aux.detach() if out.aux is not None else None
+        return out.total
 
     def on_validation_epoch_start(self) -> None:
         self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -49,7 +51,7 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, windows: torch.Tensor, batch_idx: int) -> None:
         batch = self.objective.make_batch(windows)
-        _, loss, _ = loss_and_logits(self.model, self.objective, batch)
+        loss = compute_loss(self.model, self.objective, batch).loss
         n = (batch.targets != IGNORE_INDEX).sum()
         self._val_sum += loss.double() * n
         self._val_count += n

@@ -29,6 +29,7 @@ class RunRecorder(L.Callback):
         self.metrics: MetricsLog | None = None
         self._window_start = self._last_draw = 0.0
         self._window_step = 0
+        self.first_step_s: float | None = None  # wall time of the first step (includes compilation)
         self._tty = sys.stderr.isatty()
         self._started = time.monotonic()
 
@@ -50,6 +51,8 @@ class RunRecorder(L.Callback):
         if step == self._seen_step:
             return  # still accumulating: no optimizer step happened
         self._seen_step = step
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self._window_start
         extra = self.hooks.collect("lmlab_train_batch_end", step=step, loss=pl_module.last_loss,
                                    model=pl_module.model) if self.hooks.has("lmlab_train_batch_end") else {}
         if step % self.cfg["log_every"] == 0 or step == trainer.max_steps:
@@ -69,8 +72,10 @@ class RunRecorder(L.Callback):
         self.train_loss = pl_module.last_loss.item()  # the one host sync per log interval
         if trainer.is_global_zero:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
-            self._emit({"step": step, "train_loss": self.train_loss, "lr": lr,
-                        "tokens_per_s": tokens_per_s, **extra})
+            record = {"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
+            if pl_module.last_aux is not None:
+                record["aux_loss"] = pl_module.last_aux.item()
+            self._emit({**record, **extra})
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or pl_module.val_loss is None or trainer.state.fn != "fit":

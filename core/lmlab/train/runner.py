@@ -49,8 +49,9 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     hooks = Hooks([*(p for value in plugins.values() for p in (value if isinstance(value, list) else [value])),
                    *extra_hooks])
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
+    model.set_checkpointing(cfg["checkpointing"])
     if cfg["compile"]:
-        model = torch.compile(model)
+        model.compile()  # in place: parameter names and checkpoints stay those of the eager model
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -94,7 +95,12 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
             "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
             "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
             "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
+            "first_step_s": recorder.first_step_s,
         }
+        if cfg["compile"] and recorder.first_step_s is not None and summary["tokens_per_s"]:
+            # Compilation happens inside the first step; what it took beyond a steady step is its cost.
+            steady = recorder.tokens_per_step * trainer.world_size / summary["tokens_per_s"]
+            summary["compile_s"] = max(0.0, recorder.first_step_s - steady)
     except (KeyboardInterrupt, SystemExit):
         summary = {"status": "interrupted", "steps": trainer.global_step}
         raise

@@ -64,8 +64,25 @@ def of_type(path, kind):
     return [getattr(r, kind) for r in records(path) if r.WhichOneof("record_type") == kind]
 
 
-def run_logs(run_dir):
-    return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+def run_logs(run_dir, timeout=20.0):
+    """The finished transaction logs under run_dir. W&B's service process writes them
+    asynchronously and may still be flushing when ``finish`` returns: wait for each log's exit
+    record (bounded), so reading never races the writer."""
+    import time
+
+    logs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout
+    for log in logs:
+        while not _finished(log) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return logs
+
+
+def _finished(log) -> bool:
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(log))
+    except Exception:  # a record cut short mid-write
+        return False
 
 
 def test_wandb_tracker_options_default_to_an_offline_friendly_setup():

@@ -1,0 +1,1 @@
+"""Weight conversion between lmlab models and other libraries' checkpoints."""

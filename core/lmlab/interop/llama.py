@@ -1,0 +1,86 @@
+"""Hugging Face Llama ↔ lmlab.
+
+A Llama is an lmlab model with RMSNorm, `rope` positions, `gqa` attention, a `swiglu` ffn and an
+untied head. The names below are manifest values and the parameter names those first-party
+plugins document (attention `qkv_proj`/`out_proj`, ffn `gate_proj`/`up_proj`/`down_proj`); nothing
+here imports a plugin: the model is assembled through discovery like any manifest's.
+
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(...)
+    model = from_hf(hf)             # an lmlab LanguageModel with the same weights
+    tables = manifest_tables(hf.config)   # the [model]/[position]/[attention]/[ffn] tables
+"""
+
+import torch
+
+from lmlab import discovery
+from lmlab.api import ModelShape
+from lmlab.model import LanguageModel
+
+
+def manifest_tables(config) -> dict:
+    """The manifest tables of a Llama config (raises ValueError for features lmlab lacks)."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default",
+                                                          "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        raise ValueError("head_dim × num_attention_heads must equal hidden_size")
+    if getattr(config, "mlp_bias", False) != getattr(config, "attention_bias", False):
+        raise ValueError("lmlab's `bias` covers attention and ffn together; this config mixes them")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not SwiGLU's silu")
+    return {
+        "model": {"n_layers": config.num_hidden_layers, "d_model": config.hidden_size,
+                  "n_heads": config.num_attention_heads, "block_size": config.max_position_embeddings,
+                  "vocab_size": config.vocab_size, "dropout": 0.0, "bias": bool(config.attention_bias),
+                  "norm": "rmsnorm", "norm_eps": config.rms_norm_eps,
+                  "tie_embeddings": bool(config.tie_word_embeddings)},
+        "position": {"use": "rope", "base": float(rope["rope_theta"])},
+        "attention": {"use": "gqa", "n_kv_heads": config.num_key_value_heads},
+        "ffn": {"use": "swiglu", "hidden": config.intermediate_size},
+    }
+
+
+def build(tables: dict) -> LanguageModel:
+    """An (untrained) lmlab model from the tables of `manifest_tables`."""
+    m = tables["model"]
+    shape = ModelShape(n_layers=m["n_layers"], d_model=m["d_model"], n_heads=m["n_heads"],
+                       block_size=m["block_size"], vocab_size=m["vocab_size"], dropout=m["dropout"], bias=m["bias"])
+    plugins = {}
+    for slot in ("position", "attention", "ffn"):
+        options = {k: v for k, v in tables[slot].items() if k != "use"}
+        cls = discovery.load(slot, tables[slot]["use"])
+        plugins[slot] = cls(cls.Options(**options))
+    return LanguageModel(shape, norm=m["norm"], norm_eps=m["norm_eps"], tie_embeddings=m["tie_embeddings"], **plugins)
+
+
+def state_dict_from_hf(hf_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Rename (and fuse q, k, v of) a LlamaForCausalLM state dict into lmlab's names."""
+    out = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"],
+           "head.weight": hf_state.get("lm_head.weight", hf_state["model.embed_tokens.weight"])}
+    for i in range(n_layers):
+        hf, lm = f"model.layers.{i}.", f"blocks.{i}."
+        for suffix in ("weight", "bias"):
+            parts = [hf_state.get(f"{hf}self_attn.{p}_proj.{suffix}") for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{lm}attn.qkv_proj.{suffix}"] = torch.cat(parts)  # rows: queries, keys, values
+            for theirs, ours in (("self_attn.o_proj", "attn.out_proj"), ("mlp.gate_proj", "ffn.gate_proj"),
+                                 ("mlp.up_proj", "ffn.up_proj"), ("mlp.down_proj", "ffn.down_proj")):
+                if f"{hf}{theirs}.{suffix}" in hf_state:
+                    out[f"{lm}{ours}.{suffix}"] = hf_state[f"{hf}{theirs}.{suffix}"]
+        out[f"{lm}norm1.weight"] = hf_state[f"{hf}input_layernorm.weight"]
+        out[f"{lm}norm2.weight"] = hf_state[f"{hf}post_attention_layernorm.weight"]
+    return out
+
+
+def from_hf(hf_model) -> LanguageModel:
+    """An lmlab model holding the weights of a transformers LlamaForCausalLM."""
+    tables = manifest_tables(hf_model.config)
+    model = build(tables)
+    state = state_dict_from_hf(hf_model.state_dict(), tables["model"]["n_layers"])
+    if tables["model"]["tie_embeddings"]:
+        state.pop("head.weight")
+    model.load_state_dict(state, strict=not tables["model"]["tie_embeddings"])
+    return model

@@ -1,0 +1,209 @@
+"""What every slot's checks share: the error type, named checks, the plugin under test and numerics.
+
+A :class:`Subject` is one plugin class with one set of options, seen through its slot: it knows how
+to build the plugin's module under a seed, make example inputs and run a forward pass. The generic
+checks in ``lmlab.testing.generic`` need nothing else, so each slot module only adds a ``Subject``
+subclass and the checks that are particular to the slot.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import pydantic
+import torch
+from torch import nn
+
+from lmlab.api import ModelShape, Options, Plugin
+
+#: The shape every check builds against unless a test passes its own: tiny, so the kit runs in seconds.
+DEFAULT_SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=16, vocab_size=37)
+
+# Tolerances are relative to the largest magnitude of the reference output (a module initialised with
+# std 0.02 may give outputs of 1e-3, where any absolute tolerance would be meaningless).
+INDEPENDENT = 1e-5  # outputs that must not depend on a change at all (causality, position-wise)
+SAME = 1e-4  # two computations of one function in float32 (cache vs full forward, compiled vs eager)
+BF16 = 0.1  # bfloat16 against float32: 8 mantissa bits, accumulated through a few matmuls
+
+
+class ConformanceError(AssertionError):
+    """A plugin broke the contract of its slot; the message names the plugin, the check and what was seen."""
+
+
+class CheckFailed(Exception):
+    """Raised inside a check with what was observed; :class:`Check` adds the plugin and check names."""
+
+
+def fail(message: str):
+    raise CheckFailed(message)
+
+
+class Check:
+    """One named conformance check of one plugin: call it to run it.
+
+    ``__name__`` is the check's name, so pytest uses it as the test id when a suite parametrizes over
+    ``iter_checks(...)``.
+    """
+
+    def __init__(self, name: str, function: Callable[["Subject"], None], subject: "Subject"):
+        self.name = self.__name__ = name
+        self.function = function
+        self.subject = subject
+        self.__doc__ = function.__doc__
+
+    def __call__(self) -> None:
+        try:
+            self.function(self.subject)
+        except CheckFailed as exc:
+            raise ConformanceError(f"{self.subject.label}: {self.name}: {exc}") from None
+        except ConformanceError:
+            raise
+        except Exception as exc:  # the plugin raised: that is a failure of this check, not of the kit
+            raise ConformanceError(f"{self.subject.label}: {self.name}: raised {type(exc).__name__}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"<check {self.name} of {self.subject.label}>"
+
+
+def run_checks(checks: Iterable[Check]) -> None:
+    """Run every check; raise one ConformanceError listing each failure (one line per failed check).
+
+    A failing ``plugin_class`` check stops the run: every later check would fail for the same reason.
+    """
+    failures = []
+    for check in checks:
+        try:
+            check()
+        except ConformanceError as exc:
+            failures.append(str(exc))
+            if check.name == "plugin_class":
+                break
+    if len(failures) == 1:
+        raise ConformanceError(failures[0])
+    if failures:
+        raise ConformanceError(f"{len(failures)} conformance checks failed:\n" + "\n".join(failures))
+
+
+class Subject:
+    """A plugin class with options, as the checks of its slot see it. Slot modules subclass it."""
+
+    slot = ""
+
+    def __init__(self, plugin, options: dict | Options | None = None, *, shape: ModelShape | None = None,
+                 seed: int = 0, device: str | torch.device = "cpu", compile_backend: str = "aot_eager"):
+        if isinstance(plugin, Plugin):  # an instance carries its own options
+            plugin, options = type(plugin), plugin.options if options is None else options
+        self.cls = plugin
+        self.raw_options = options
+        self.shape = shape or DEFAULT_SHAPE
+        self.seed = seed
+        self.device = torch.device(device)
+        self.compile_backend = compile_backend
+        name = getattr(plugin, "name", "") or getattr(plugin, "__name__", repr(plugin))
+        if isinstance(options, dict) and options:
+            name += " (" + ", ".join(f"{k}={v!r}" for k, v in options.items()) + ")"
+        self.label = name
+
+    # -- the plugin --------------------------------------------------------------------------------
+    @property
+    def options(self) -> Options:
+        """The options, validated by the plugin's Options class (a dict is what a manifest table holds)."""
+        if isinstance(self.raw_options, Options):
+            return self.raw_options
+        try:
+            return self.cls.Options(**(self.raw_options or {}))
+        except pydantic.ValidationError as exc:
+            fail(f"options {self.raw_options or {}!r} are refused by {self.cls.Options.__name__}: "
+                 f"{_one_line(exc)}")
+
+    def plugin(self) -> Plugin:
+        return self.cls(self.options)
+
+    # -- what each slot provides -------------------------------------------------------------------
+    def build(self, seed: int) -> nn.Module:
+        """The module under test, built and initialised under ``seed``, on the device, in eval mode."""
+        raise NotImplementedError
+
+    def example(self, seed: int, dtype: torch.dtype = torch.float32) -> tuple:
+        """Arguments of one forward pass (fixed by ``seed``)."""
+        raise NotImplementedError
+
+    def forward(self, module: nn.Module, args: tuple) -> torch.Tensor:
+        return module(*args)
+
+    def grad_input(self, args: tuple) -> torch.Tensor | None:
+        """The floating-point input that must receive a gradient, if the module has one."""
+        return None
+
+    def owns(self, parameter_name: str) -> bool:
+        """Whether a parameter of the built module belongs to the plugin (not to the kit's harness)."""
+        return True
+
+    def aux_loss(self, module: nn.Module) -> torch.Tensor | None:
+        return None
+
+    # -- helpers for the checks --------------------------------------------------------------------
+    def randn(self, *size: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(*size, generator=generator).to(self.device, dtype)
+
+    def randint(self, high: int, *size: int, seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(0, high, size, generator=generator).to(self.device)
+
+    def seeded(self, seed: int):
+        """Run a block under ``seed`` without disturbing the caller's random state."""
+        return _seeded(seed, self.device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def scale(reference: torch.Tensor) -> float:
+    """The magnitude tolerances are relative to (never 0, so an all-zero output compares exactly)."""
+    return max(reference.detach().float().abs().max().item(), 1e-12)
+
+
+def difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.detach().float() - expected.detach().float()).abs().max().item()
+
+
+def expect_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> None:
+    """Fail with ``what``, the largest difference and where along T it first exceeds the tolerance.
+
+    Both tensors are (B, T, ...); ``what`` finishes the sentence "... differs from ...".
+    """
+    if actual.shape != expected.shape:
+        fail(f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    expect_finite(actual, what.split(":")[0])
+    s = scale(expected)
+    per_position = (actual.detach().float() - expected.detach().float()).abs().flatten(2).amax(dim=(0, 2))  # (T,)
+    bad = (per_position > tolerance * s).nonzero()
+    if len(bad):
+        t = bad[0].item()
+        fail(f"{what}: first at position {t}, by {per_position[t].item():.3g} "
+             f"(output scale {s:.3g}, tolerance {tolerance:g} of it)")
+
+
+def expect_finite(tensor: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(tensor).all():
+        fail(f"{what} has {(~torch.isfinite(tensor)).sum().item()} non-finite values")
+
+
+def expect_tensor(output: Any, shape: tuple, dtype: torch.dtype, what: str) -> None:
+    if not isinstance(output, torch.Tensor):
+        fail(f"{what} is a {type(output).__name__}, not a tensor")
+    if tuple(output.shape) != tuple(shape):
+        fail(f"{what} has shape {tuple(output.shape)}, expected {tuple(shape)}")
+    if output.dtype != dtype:
+        fail(f"{what} has dtype {output.dtype}, expected {dtype} (the dtype of the module and its input)")
+    expect_finite(output, what)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

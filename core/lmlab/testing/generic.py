@@ -1,0 +1,181 @@
+"""Checks every architecture slot shares: the plugin class, gradients, determinism, the state dict and
+``torch.compile``. Each takes a :class:`~lmlab.testing.common.Subject` and fails with what it saw.
+"""
+
+import copy
+import inspect
+import io
+from types import SimpleNamespace
+
+import pydantic
+import torch
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from lmlab.api import API_VERSION, SLOT_BASES, Options
+from lmlab.errors import UserError
+from lmlab.testing.common import INDEPENDENT, SAME, Subject, difference, expect_close, fail, scale
+
+
+def verify_class(cls, slot: str, options=None) -> None:
+    """The slot contract of a plugin class, as discovery checks it when a manifest names the plugin."""
+    base = SLOT_BASES.get(slot)
+    if base is None:
+        fail(f"unknown slot {slot!r}; known slots: {', '.join(SLOT_BASES)}")
+    if not (inspect.isclass(cls) and issubclass(cls, base)):
+        fail(f"{cls!r} is not a subclass of lmlab.api.{base.__name__}")
+    if cls.slot != slot:
+        fail(f"its slot attribute is {cls.slot!r}, expected {slot!r}")
+    try:
+        supported = SpecifierSet(cls.api)
+    except InvalidSpecifier:
+        fail(f"its api range {cls.api!r} is not a valid version specifier (e.g. '>=1.0,<2')")
+    if API_VERSION not in supported:
+        fail(f"its api range {cls.api!r} excludes this lmlab.api {API_VERSION}")
+    if not (inspect.isclass(cls.Options) and issubclass(cls.Options, Options)):
+        fail(f"its Options {cls.Options!r} is not a subclass of lmlab.api.Options")
+    from lmlab.plugin_check import check_plugin_class  # validates hook implementations with pluggy
+
+    info = SimpleNamespace(name=cls.name or cls.__name__, distribution="(under test)", version="",
+                           target=f"{cls.__module__}:{cls.__qualname__}")
+    try:
+        check_plugin_class(cls, slot, info, key=f"{slot}.use")
+    except UserError as exc:
+        fail(str(exc))
+    if options is None:
+        try:
+            options = cls.Options()
+        except pydantic.ValidationError as exc:
+            fail(f"{cls.Options.__name__}() fails without arguments; every option needs a default: "
+                 f"{' '.join(str(exc).split())}")
+    cls(options)
+
+
+def plugin_class(subject: Subject) -> None:
+    """Derives from its slot's base in lmlab.api, declares an api range that includes this
+    lmlab.api.API_VERSION, has an Options subclass of lmlab.api.Options that validates the options under
+    test (or builds with every default), valid hook implementations, and is constructible."""
+    verify_class(subject.cls, subject.slot, subject.options if subject.raw_options is not None else None)
+
+
+def gradients(subject: Subject) -> None:
+    """In training mode, a backward of a random projection of the output (plus any auxiliary loss the
+    module reports) gives every trainable parameter of the plugin, and the floating-point input, a
+    finite gradient that is not all zero. A parameter that only a zero-initialised weight hides (a
+    zero-init output projection) passes: the check retries once after perturbing every weight."""
+    module = subject.build(subject.seed).train()
+    problems = _backward_problems(subject, module)
+    if problems and not any("non-finite" in p for p in problems):
+        with torch.no_grad(), subject.seeded(subject.seed + 7):
+            for p in module.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        problems = _backward_problems(subject, module)
+    if problems:
+        shown = ", ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
+        fail(f"after a backward in training mode: {shown} (a parameter unused in forward, a detached "
+             "path, or an expert that received no token?)")
+
+
+def _backward_problems(subject: Subject, module: torch.nn.Module) -> list[str]:
+    module.zero_grad(set_to_none=True)
+    args = subject.example(subject.seed + 1)
+    x = subject.grad_input(args)
+    if x is not None:
+        x.requires_grad_(True)
+    loss, _ = _loss(subject, module, args)
+    loss.backward()
+    problems = []
+    named = [("input", x)] if x is not None else []
+    named += [(n, p) for n, p in module.named_parameters() if p.requires_grad and subject.owns(n)]
+    for name, p in named:
+        if p.grad is None:
+            problems.append(f"{name} got no gradient")
+        elif not torch.isfinite(p.grad).all():
+            problems.append(f"{name} got a non-finite gradient")
+        elif not p.grad.any():
+            problems.append(f"{name} got an all-zero gradient")
+    return problems
+
+
+def _loss(subject: Subject, module: torch.nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, output): a random projection of the output (a plain sum can cancel, e.g. after a
+    normalisation), plus the auxiliary loss the module reports."""
+    out = subject.forward(module, args)
+    weights = subject.randn(*out.shape, seed=subject.seed + 2)
+    loss = (out.float() * weights).sum()
+    aux = subject.aux_loss(module)
+    if aux is not None:
+        if not (isinstance(aux, torch.Tensor) and aux.numel() == 1 and torch.isfinite(aux).all()):
+            fail(f"aux_loss must be a finite scalar tensor; got {aux!r}")
+        loss = loss + aux.float().sum()
+    return loss, out
+
+
+def determinism(subject: Subject) -> None:
+    """Two builds under one seed have identical parameters and buffers and give identical outputs,
+    and two eval-mode forwards of one module on one input are identical."""
+    a, b = subject.build(subject.seed), subject.build(subject.seed)
+    state_a, state_b = a.state_dict(), b.state_dict()
+    for name, value in state_a.items():
+        if name not in state_b or not torch.equal(value, state_b[name]):
+            fail(f"{name} differs between two builds under seed {subject.seed}: does initialisation draw "
+                 "from a random source other than torch's seeded generator?")
+    args = subject.example(subject.seed + 1)
+    with torch.no_grad():
+        first, second, other = subject.forward(a, args), subject.forward(a, args), subject.forward(b, args)
+    s = scale(first)
+    if difference(second, first) > INDEPENDENT * s:
+        fail(f"two eval-mode forwards of one module on one input differ by {difference(second, first):.3g} "
+             f"(output scale {s:.3g}): does forward draw random numbers outside training?")
+    if difference(other, first) > INDEPENDENT * s:
+        fail(f"two builds under seed {subject.seed} give outputs that differ by {difference(other, first):.3g} "
+             f"(output scale {s:.3g}), though their state dicts are identical")
+
+
+def state_dict(subject: Subject) -> None:
+    """The state dict survives ``torch.save`` and ``torch.load(weights_only=True)``, a build under
+    another seed accepts it (strictly), and then gives the same outputs as the module it came from."""
+    source, target = subject.build(subject.seed), subject.build(subject.seed + 1)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    try:
+        loaded = torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        fail(f"torch.load(weights_only=True) refuses its saved state dict: {type(exc).__name__}: {exc}")
+    try:
+        target.load_state_dict(loaded)
+    except RuntimeError as exc:
+        fail(f"a fresh build refuses the state dict of another: {' '.join(str(exc).split())}")
+    args = subject.example(subject.seed + 1)
+    with torch.no_grad():
+        expected, actual = subject.forward(source, args), subject.forward(target, args)
+    expect_close(actual, expected, SAME,
+                 "after loading another build's state dict, the output differs from that build's: is some "
+                 "state a plain tensor attribute rather than a parameter or registered buffer?")
+
+
+def compiled(subject: Subject) -> None:
+    """``torch.compile(module, backend=compile_backend)`` ("aot_eager" by default: it traces forward
+    and backward like the default inductor backend, without generating code) gives the eager output
+    and the eager gradients of every parameter, in training mode. Resets torch.compile's caches first."""
+    torch.compiler.reset()  # a plugin class compiled for many option sets would hit the recompile limit
+    eager = subject.build(subject.seed).train()
+    module = copy.deepcopy(eager)
+    optimized = torch.compile(module, backend=subject.compile_backend)
+    args = subject.example(subject.seed + 1)
+    with subject.seeded(subject.seed):
+        expected_loss, expected = _loss(subject, eager, args)
+    with subject.seeded(subject.seed):
+        actual_loss, actual = _loss(subject, optimized, args)
+    expect_close(actual, expected, SAME, f"the output compiled with backend {subject.compile_backend!r} "
+                                         "differs from the eager output")
+    expected_loss.backward()
+    actual_loss.backward()
+    grads = dict(module.named_parameters())
+    for name, p in eager.named_parameters():
+        if p.grad is None or not subject.owns(name):
+            continue
+        q = grads[name].grad
+        if q is None or difference(q, p.grad) > SAME * scale(p.grad):
+            fail(f"the gradient of {name} compiled with backend {subject.compile_backend!r} differs from the "
+                 f"eager one" + ("" if q is None else f" by {difference(q, p.grad):.3g} (scale {scale(p.grad):.3g})"))
