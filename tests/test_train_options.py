@@ -42,3 +42,23 @@ def test_ddp_on_two_cpu_processes_from_a_manifest(tiny_manifest, tmp_path):
     assert s["status"] == "completed" and s["steps"] == 4 and s["plugins"]["parallel"]["name"] == "ddp"
     assert result.stdout.count("--- sample") == 1  # only the main process reports
     assert result.stderr.count("[1/1]") == 1
+
+
+def test_compile_trains_like_eager_and_reports_compile_time_apart(tiny_manifest, tmp_path):
+    path = tiny_manifest(steps=6, eval_every=6)
+    for name, compile_ in (("eager", "false"), ("compiled", "true")):
+        assert main(["run", str(path), "--out", str(tmp_path / name), "--set", f"train.compile={compile_}",
+                     "--set", "train.sample_tokens=0"]) == 0
+    eager, compiled = summary(tmp_path / "eager" / "default"), summary(tmp_path / "compiled" / "default")
+    assert "compile_s" not in eager and compiled["compile_s"] > 0
+    assert abs(compiled["val_loss"] - eager["val_loss"]) < 1e-3
+
+
+@pytest.mark.parametrize("policy", ["ffn", "full"])
+def test_checkpointing_policies_train_to_the_same_loss(tiny_manifest, tmp_path, policy):
+    path = tiny_manifest(steps=4, eval_every=4)
+    for name in ("none", policy):
+        assert main(["run", str(path), "--out", str(tmp_path / name), "--set", f"train.checkpointing={name}",
+                     "--set", "train.sample_tokens=0"]) == 0
+    assert summary(tmp_path / policy / "default")["val_loss"] == pytest.approx(
+        summary(tmp_path / "none" / "default")["val_loss"], abs=1e-5)

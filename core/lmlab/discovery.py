@@ -34,16 +34,18 @@ def installed() -> dict[str, list[PluginInfo]]:
     found: dict[str, list[PluginInfo]] = {slot: [] for slot in SLOTS}
     seen = set()
     for dist in md.distributions():
-        dist_name = dist.metadata["Name"] or "?"
-        for ep in dist.entry_points:
-            if not ep.group.startswith(GROUP_PREFIX):
-                continue
+        # entry_points.txt is tiny; METADATA (name, version) is parsed only for lmlab plugin dists.
+        eps = [ep for ep in dist.entry_points if ep.group.startswith(GROUP_PREFIX)]
+        if not eps:
+            continue
+        dist_name, version = dist.metadata["Name"] or "?", dist.version
+        for ep in eps:
             slot = ep.group[len(GROUP_PREFIX):]
             marker = (slot, ep.name, dist_name.lower().replace("_", "-"))
             if marker in seen:  # the same distribution found twice on sys.path is not a clash
                 continue
             seen.add(marker)
-            found.setdefault(slot, []).append(PluginInfo(slot, ep.name, ep.value, dist_name, dist.version))
+            found.setdefault(slot, []).append(PluginInfo(slot, ep.name, ep.value, dist_name, version))
     for plugins in found.values():
         plugins.sort(key=lambda p: (p.name, p.distribution))
     return found

@@ -149,9 +149,9 @@ class StepLoss(NamedTuple):
     logits: torch.Tensor
 
 
-def compute_loss(model: LanguageModel, objective, batch) -> StepLoss:
-    """One training/eval forward."""
-    logits = model(batch.input_ids)
+def compute_loss(model: LanguageModel, objective, batch, forward=None) -> StepLoss:
+    """One training/eval forward; ``forward`` is the callable to run (e.g. the compiled model)."""
+    logits = (model if forward is None else forward)(batch.input_ids)
     loss = objective.loss(logits, batch)
     aux = model.aux_loss()
     return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)

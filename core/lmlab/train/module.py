@@ -14,9 +14,13 @@ _PLAIN_ATTRIBUTES = frozenset({"_current_fx_name", "_param_requires_grad_state",
 
 
 class LMModule(L.LightningModule):
-    def __init__(self, model, objective, optimizer, train_cfg: dict, hooks):
+    def __init__(self, model, objective, optimizer, train_cfg: dict, hooks, compile: bool = False):
         super().__init__()
         self.model = model
+        # The training step runs the compiled model; evaluation and decoding run the eager one (their
+        # shapes vary, and each new shape would cost a recompilation). Kept off the module registry
+        # so parameter names and checkpoints stay those of the eager model.
+        object.__setattr__(self, "train_forward", torch.compile(model) if compile else model)
         self.objective = objective
         self.optimizer_plugin = optimizer
         self.cfg = train_cfg
@@ -40,7 +44,7 @@ class LMModule(L.LightningModule):
 
     def training_step(self, windows: torch.Tensor, batch_idx: int) -> torch.Tensor:
         batch = self.objective.make_batch(windows)
-        out = compute_loss(self.model, self.objective, batch)
+        out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
         self.last_loss = out.loss.detach()
         self.last_aux = out.aux.detach() if out.aux is not None else None
         return out.total

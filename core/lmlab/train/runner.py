@@ -50,8 +50,6 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
                    *extra_hooks])
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
     model.set_checkpointing(cfg["checkpointing"])
-    if cfg["compile"]:
-        model.compile()  # in place: parameter names and checkpoints stay those of the eager model
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -64,7 +62,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     eval_bs = cfg["eval_batch_size"] or 4 * cfg["batch_size"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg["batch_size"], eval_bs, cfg["eval_steps"],
                                  variant.manifest["seed"], cfg["grad_accum"])
-    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks)
+    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"])
     recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
                            None, hooks, resume_step=resume_step)
     trainer = L.Trainer(

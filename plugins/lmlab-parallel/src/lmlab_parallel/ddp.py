@@ -1,7 +1,8 @@
 """Distributed data parallel (DDP).
 
-Every process holds a full replica of the model and sees a different shard of each global batch
-(Lightning wraps the dataloader in a ``DistributedSampler``). After the backward pass, gradients are
+Every process holds a full replica of the model and trains on its own batches (lmlab draws each
+rank's random windows from a stream seeded by seed, rank and step; validation is sharded by
+Lightning's ``DistributedSampler``). After the backward pass, gradients are
 averaged across processes with bucketed all-reduce that overlaps the rest of the backward pass, so
 the replicas take identical optimizer steps and stay bit-identical. The global batch is
 ``batch_size × devices × num_nodes``.
