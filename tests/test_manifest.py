@@ -72,3 +72,11 @@ def test_check_imports_only_the_named_plugins_and_no_heavy_library(tiny_manifest
         "lmlab_data", "lmlab_tokenizers", "lmlab_position", "lmlab_attention", "lmlab_ffn",
         "lmlab_objectives", "lmlab_optimizers", "lmlab_parallel", "lmlab_decoding", "lmlab_trackers"}
     assert "lmlab_wandb" not in plugins and "lmlab_sentencepiece" not in plugins
+
+
+def test_a_sweep_axis_over_whole_tables_links_options(tiny_manifest):
+    path = tiny_manifest('[sweep]\nattention = [{use = "mha"}, {use = "gqa", n_kv_heads = 2}]\n')
+    mha, gqa = manifest.load(path)
+    assert (mha.name, gqa.name) == ("attention=mha", "attention=gqa+n_kv_heads=2")
+    assert mha.manifest["attention"] == {"use": "mha"}
+    assert gqa.manifest["attention"] == {"use": "gqa", "n_kv_heads": 2}

@@ -2,6 +2,7 @@
 installed with pip into a folder outside the repository, listed by `lmlab plugins`, and trained
 from a manifest, with no change to the core."""
 
+import os
 import re
 import subprocess
 import sys
@@ -41,3 +42,11 @@ def test_readme_example_plugin_installs_lists_and_trains(tmp_path, corpus_slice)
     summary = (tmp_path / "runs" / "default" / "summary.json").read_text()
     assert '"distribution": "lmlab-primer"' in summary and '"status": "completed"' in summary
     assert not Path(ROOT / "plugins" / "lmlab-primer").exists()  # nothing was added to the repository
+
+    # The example's own tests, as its author would run them: the conformance kit passes.
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(tmp_path / "lmlab-primer" / "tests")], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    passed = re.search(r"(\d+) passed", tests.stdout)
+    assert passed and int(passed.group(1)) >= 5 and "failed" not in tests.stdout, tests.stdout[-500:]

@@ -140,7 +140,12 @@ def _expand(merged: dict, sweep: dict):
             manifest = copy.deepcopy(merged)
             parts = []
             for key, value in zip(axes, point):
-                _set_dotted(manifest, key, value, source=f"[sweep] {key!r}")
+                if isinstance(value, dict) and "." not in key:
+                    # A whole table per point: linked options that a product of axes cannot
+                    # express, e.g. {use = "moe", top_k = 2, hidden = 256} against {use = "mlp"}.
+                    manifest[key] = copy.deepcopy(value)
+                else:
+                    _set_dotted(manifest, key, value, source=f"[sweep] {key!r}")
                 parts.append(f"{key}={_short(value)}")
             if seed is not None:
                 manifest["seed"] = seed
@@ -150,6 +155,10 @@ def _expand(merged: dict, sweep: dict):
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, dict):  # a table: its plugin, then its options: moe+top_k=2+hidden=256
+        items = [str(value["use"])] if "use" in value else []
+        items += [f"{k}={_short(v)}" for k, v in value.items() if k != "use"]
+        return "+".join(items)
     text = value if isinstance(value, str) else repr(value).replace(" ", "")
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", str(text))
 

@@ -26,9 +26,11 @@ class LifecycleSpec:
         May return metrics to log at this step (e.g. a gradient norm)."""
 
     @hookspec
-    def lmlab_train_batch_end(self, step: int, loss: Any, model: Any) -> dict | None:
+    def lmlab_train_batch_end(self, step: int, loss: Any, model: Any, log: bool) -> dict | None:
         """Called after each optimizer step with the step's loss tensor (not synced to the host:
-        calling ``.item()`` here costs a device sync). May return metrics to log at this step."""
+        calling ``.item()`` here costs a device sync). ``log`` is True on the steps whose metrics
+        are written (every ``[train] log_every``): return metrics (floats) then, and None on the
+        others, to keep the host syncs to logging steps. (``log``: API 1.1.)"""
 
     @hookspec
     def lmlab_validation_end(self, step: int, metrics: dict) -> None:

@@ -3,6 +3,8 @@
 Plugins declare the range they work with (``Plugin.api = ">=1.0,<2"``); discovery refuses a
 plugin whose range excludes this version. Bump the minor version when the API gains something
 (old plugins keep working), the major version when something a plugin relies on changes.
+
+1.1: the ``lmlab_train_batch_end`` hook receives ``log`` (is this a logging step).
 """
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"

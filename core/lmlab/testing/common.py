@@ -8,7 +8,7 @@ subclass and the checks that are particular to the slot.
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import pydantic
 import torch
@@ -34,7 +34,8 @@ class CheckFailed(Exception):
     """Raised inside a check with what was observed; :class:`Check` adds the plugin and check names."""
 
 
-def fail(message: str):
+def fail(message: str) -> NoReturn:
+    """Stop the running check, reporting ``message`` (what was observed)."""
     raise CheckFailed(message)
 
 
@@ -120,6 +121,19 @@ class Subject:
         return self.cls(self.options)
 
     # -- what each slot provides -------------------------------------------------------------------
+    module_type: type[nn.Module] = nn.Module  # what the plugin's build returns
+
+    def built(self, seed: int, *args) -> nn.Module:
+        """``plugin.build(shape, *args)`` under ``seed``, initialised with ``reset_parameters`` as the
+        model does, on the device, in eval mode."""
+        with self.seeded(seed):
+            module = self.plugin().build(self.shape, *args)
+            if not isinstance(module, self.module_type):
+                call = ", ".join(["shape", *map(str, args)])
+                fail(f"build({call}) returned {type(module).__name__}, not an lmlab.api.{self.module_type.__name__}")
+            module.reset_parameters(self.shape)
+        return module.to(self.device).eval()
+
     def build(self, seed: int) -> nn.Module:
         """The module under test, built and initialised under ``seed``, on the device, in eval mode."""
         raise NotImplementedError
@@ -173,26 +187,44 @@ def difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.detach().float() - expected.detach().float()).abs().max().item()
 
 
-def expect_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> None:
-    """Fail with ``what``, the largest difference and where along T it first exceeds the tolerance.
+def expect_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str,
+                 offset: int = 0, hint: str = "") -> None:
+    """Fail with ``what``, the first position along T where the difference exceeds ``tolerance`` times
+    the output scale (reported as ``offset`` + index), by how much, and ``hint`` (a likely cause).
 
-    Both tensors are (B, T, ...); ``what`` finishes the sentence "... differs from ...".
+    Both tensors are (B, T, ...); ``what`` says which outputs were compared, and why they must agree.
     """
     if actual.shape != expected.shape:
         fail(f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
-    expect_finite(actual, what.split(":")[0])
+    expect_finite(actual, what)
     s = scale(expected)
     per_position = (actual.detach().float() - expected.detach().float()).abs().flatten(2).amax(dim=(0, 2))  # (T,)
     bad = (per_position > tolerance * s).nonzero()
     if len(bad):
         t = bad[0].item()
-        fail(f"{what}: first at position {t}, by {per_position[t].item():.3g} "
-             f"(output scale {s:.3g}, tolerance {tolerance:g} of it)")
+        fail(f"{what}: first at position {offset + t}, by {per_position[t].item():.3g} "
+             f"(output scale {s:.3g}, tolerance {tolerance:g} of it)" + (f"; {hint}" if hint else ""))
+
+
+def expect_mostly_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str,
+                        fraction: float = 0.1) -> None:
+    """Like :func:`expect_close` for a lower precision, per token (every dimension but the last): at
+    most ``fraction`` of the tokens may be off by more than ``tolerance`` of the output scale, since
+    rounding may legitimately flip a discrete decision (an MoE router's choice) for a few tokens."""
+    if actual.shape != expected.shape:
+        fail(f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    expect_finite(actual, what)
+    s = scale(expected)
+    per_token = (actual.detach().float() - expected.detach().float()).abs().amax(dim=-1).flatten()
+    off = per_token > tolerance * s
+    if off.float().mean().item() > fraction:
+        fail(f"{what}: {int(off.sum())} of {off.numel()} tokens are off by more than {tolerance:g} of the output "
+             f"scale {s:.3g} (worst by {per_token.max().item():.3g}); at most {fraction:.0%} may be")
 
 
 def expect_finite(tensor: torch.Tensor, what: str) -> None:
     if not torch.isfinite(tensor).all():
-        fail(f"{what} has {(~torch.isfinite(tensor)).sum().item()} non-finite values")
+        fail(f"{what}: {(~torch.isfinite(tensor)).sum().item()} non-finite values")
 
 
 def expect_tensor(output: Any, shape: tuple, dtype: torch.dtype, what: str) -> None:
@@ -207,3 +239,21 @@ def expect_tensor(output: Any, shape: tuple, dtype: torch.dtype, what: str) -> N
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def decoding_schedule(length: int) -> list[tuple[int, int, str]]:
+    """(start, end, kind) pieces covering [0, length) as a decoder feeds them: a prefill, single
+    steps, a multi-token chunk after the cache already holds tokens, a step and a last chunk."""
+    pieces, start = [], max(1, length // 3)
+    pieces.append((0, start, "prefill"))
+    for _ in range(3):
+        if start < length:
+            pieces.append((start, start + 1, "single step"))
+            start += 1
+    chunk = max(2, (length - start) // 2)
+    for kind, size in (("chunk", chunk), ("single step", 1), ("chunk", length)):
+        end = min(length, start + size)
+        if start < end:
+            pieces.append((start, end, kind if end - start > 1 else "single step"))
+            start = end
+    return pieces

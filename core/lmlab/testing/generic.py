@@ -149,9 +149,8 @@ def state_dict(subject: Subject) -> None:
     args = subject.example(subject.seed + 1)
     with torch.no_grad():
         expected, actual = subject.forward(source, args), subject.forward(target, args)
-    expect_close(actual, expected, SAME,
-                 "after loading another build's state dict, the output differs from that build's: is some "
-                 "state a plain tensor attribute rather than a parameter or registered buffer?")
+    expect_close(actual, expected, SAME, "after loading another build's state dict, the output differs from that "
+                 "build's", hint="is some state a plain tensor attribute, not a parameter or registered buffer?")
 
 
 def compiled(subject: Subject) -> None:

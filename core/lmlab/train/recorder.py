@@ -53,9 +53,10 @@ class RunRecorder(L.Callback):
         self._seen_step = step
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self._window_start
+        log = step % self.cfg["log_every"] == 0 or step == trainer.max_steps
         extra = self.hooks.collect("lmlab_train_batch_end", step=step, loss=pl_module.last_loss,
-                                   model=pl_module.model) if self.hooks.has("lmlab_train_batch_end") else {}
-        if step % self.cfg["log_every"] == 0 or step == trainer.max_steps:
+                                   model=pl_module.model, log=log) if self.hooks.has("lmlab_train_batch_end") else {}
+        if log:
             self._log_train(trainer, pl_module, step, extra)
         elif extra and trainer.is_global_zero:
             self._emit({"step": step, **extra})

@@ -1,1 +1,1 @@
-"""Position plugins for lmlab: learned, rope. Loaded through entry points, never by import."""
+"""Position plugins for lmlab: learned, rope, sinusoidal, alibi, none. Loaded through entry points, never by import."""

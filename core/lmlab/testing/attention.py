@@ -1,0 +1,169 @@
+"""Conformance checks of attention plugins (token mixers: softmax attention, state-space layers, ...).
+
+The module of layer 0 is checked on its own, called as the model calls it: ``module(x, ctx)`` in
+training and ``module(x, ctx, state)`` with the state from ``new_state`` in cached decoding. The
+position scheme in ``ctx`` is, in turn, none at all (``PositionModule()``, whose hooks do nothing)
+and :class:`~lmlab.testing.reference.ReferencePositionModule`, which rotates queries and keys and
+biases scores, so positions mishandled while decoding show up. A mixer that cannot use such a scheme
+(a state-space layer) may refuse it with a ``UserError`` and is checked without one only.
+"""
+
+import torch
+
+from lmlab.api import AttentionModule, MixerContext, PositionModule, UserError
+from lmlab.testing import generic
+from lmlab.testing.common import (BF16, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close,
+                                  expect_mostly_close, expect_tensor, fail)
+from lmlab.testing.reference import ReferencePositionModule
+
+BATCH = 2
+
+
+class AttentionSubject(Subject):
+    slot = "attention"
+    module_type = AttentionModule
+    _schemes: list | None = None
+
+    def build(self, seed: int, layer: int = 0) -> AttentionModule:
+        return self.built(seed, layer)
+
+    def schemes(self) -> list[tuple[str, PositionModule]]:
+        """(description, position module) pairs the mixer is checked under.
+
+        Every mixer must work without a position scheme. One that cannot honour ``rotate`` or
+        ``attention_bias`` (a state-space layer has no queries or scores) may refuse such a scheme by
+        raising ``lmlab.api.UserError``, as the manifest combining them is a user's mistake; it is then
+        checked without one only.
+        """
+        if self._schemes is None:
+            self._schemes = [("no position scheme", PositionModule().to(self.device))]
+            reference = ReferencePositionModule(self.shape).to(self.device)
+            x = self.randn(1, 2, self.shape.d_model, seed=self.seed)
+            try:
+                with torch.no_grad():
+                    self.build(self.seed)(x, self.context(reference, 0, 2))
+                self._schemes.append(("a rotating and biasing position scheme", reference))
+            except UserError:
+                pass
+        return self._schemes
+
+    def context(self, position: PositionModule, start: int, end: int) -> MixerContext:
+        return MixerContext(position=position, positions=torch.arange(start, end, device=self.device), start=start)
+
+    def example(self, seed: int, dtype: torch.dtype = torch.float32, batch: int = BATCH) -> tuple:
+        x = self.randn(batch, self.shape.block_size, self.shape.d_model, seed=seed, dtype=dtype)  # (B, T, C)
+        return x, self.context(self.schemes()[-1][1], 0, self.shape.block_size)
+
+    def forward(self, module, args: tuple) -> torch.Tensor:
+        x, ctx = args
+        return module(x, ctx)
+
+    def grad_input(self, args: tuple) -> torch.Tensor:
+        return args[0]
+
+
+def _outputs(subject: AttentionSubject, dtype: torch.dtype) -> None:
+    kind = str(dtype).removeprefix("torch.")
+    for layer in range(subject.shape.n_layers):  # a plugin may build different mixers per layer
+        module = subject.build(subject.seed, layer).to(dtype)
+        x, ctx = subject.example(subject.seed + 1, dtype)
+        with torch.no_grad():
+            y = module(x, ctx)
+            expect_tensor(y, x.shape, dtype, f"layer {layer}: the {kind} output of module(x, ctx)")
+            state = module.new_state(BATCH, x.shape[1], subject.device, dtype)
+            for start, end, what in decoding_schedule(x.shape[1])[:2]:
+                y_step = module(x[:, start:end], subject.context(ctx.position, start, end), state)
+                expect_tensor(y_step, x[:, start:end].shape, dtype,
+                              f"layer {layer}: the {kind} output of a cached {what}")
+        if dtype != torch.float32:
+            reference = subject.build(subject.seed, layer)
+            with torch.no_grad():
+                expected = reference(x.float(), ctx)
+            expect_mostly_close(y, expected, BF16, f"layer {layer}: the {kind} output differs from the float32 one")
+
+
+def output_fp32(subject: AttentionSubject) -> None:
+    """Every layer's module maps a float32 (B, T, C) to a finite float32 (B, T, C), in a full forward
+    and in cached decoding (a prefill, then a single step)."""
+    _outputs(subject, torch.float32)
+
+
+def output_bf16(subject: AttentionSubject) -> None:
+    """After ``module.to(torch.bfloat16)``, a bfloat16 input gives a finite bfloat16 output of the same
+    shape (full forward, cached prefill and step, with a bfloat16 state) within 10% of the float32
+    output's scale."""
+    _outputs(subject, torch.bfloat16)
+
+
+def causality(subject: AttentionSubject) -> None:
+    """Changing the inputs after position t leaves the outputs at positions up to t unchanged, for
+    several t, under each position scheme (eval mode)."""
+    module = subject.build(subject.seed)
+    x, _ = subject.example(subject.seed + 1)
+    T = x.shape[1]
+    for label, position in subject.schemes():
+        ctx = subject.context(position, 0, T)
+        with torch.no_grad():
+            y = module(x, ctx)
+            for t in (0, T // 2 - 1, T - 2):
+                changed = x.clone()
+                changed[:, t + 1:] = subject.randn(BATCH, T - t - 1, x.shape[2], seed=subject.seed + 10 + t)
+                expect_close(module(changed, ctx)[:, :t + 1], y[:, :t + 1], INDEPENDENT,
+                             f"outputs up to position {t} changed when only inputs after {t} did ({label})")
+
+
+def incremental_decoding(subject: AttentionSubject) -> None:
+    """Feeding the sequence piece by piece with the state from ``new_state`` (a prefill, single steps,
+    multi-token chunks after the state holds tokens) gives the outputs of the full forward, under each
+    position scheme."""
+    module = subject.build(subject.seed)
+    x, _ = subject.example(subject.seed + 1)
+    T = x.shape[1]
+    for label, position in subject.schemes():
+        with torch.no_grad():
+            full = module(x, subject.context(position, 0, T))
+            state = module.new_state(BATCH, T, subject.device, x.dtype)
+            for start, end, what in decoding_schedule(T):
+                y = module(x[:, start:end], subject.context(position, start, end), state)
+                expect_close(y, full[:, start:end], SAME,
+                             f"the cached {what} of positions {start}..{end - 1} differs from the full forward "
+                             f"({label})", offset=start)
+
+
+def cache_reorder(subject: AttentionSubject) -> None:
+    """``state.reorder(index)`` (beam search re-ranking rows, repeating some) after a prefill, then
+    decoding on, gives the full forward of the reordered batch."""
+    module = subject.build(subject.seed)
+    x, _ = subject.example(subject.seed + 1, batch=3)
+    T, position = x.shape[1], subject.schemes()[-1][1]
+    index = torch.tensor([2, 0, 0], device=subject.device)
+    pieces = decoding_schedule(T)
+    with torch.no_grad():
+        full = module(x.index_select(0, index), subject.context(position, 0, T))
+        state = module.new_state(3, T, subject.device, x.dtype)
+        if not callable(getattr(state, "reorder", None)):
+            fail(f"new_state returned a {type(state).__name__} without reorder(index) (see lmlab.api.LayerState)")
+        start, end, _ = pieces[0]
+        module(x[:, start:end], subject.context(position, start, end), state)
+        state.reorder(index)
+        x = x.index_select(0, index)
+        for start, end, what in pieces[1:]:
+            y = module(x[:, start:end], subject.context(position, start, end), state)
+            expect_close(y, full[:, start:end], SAME, f"after state.reorder({index.tolist()}), the cached {what} of "
+                         f"positions {start}..{end - 1} differs from the full forward of the reordered batch",
+                         offset=start)
+
+
+#: name → check, in the order ``check_attention`` runs them.
+CHECKS = {
+    "plugin_class": generic.plugin_class,
+    "output_fp32": output_fp32,
+    "output_bf16": output_bf16,
+    "causality": causality,
+    "incremental_decoding": incremental_decoding,
+    "cache_reorder": cache_reorder,
+    "gradients": generic.gradients,
+    "determinism": generic.determinism,
+    "state_dict": generic.state_dict,
+    "compile": generic.compiled,
+}

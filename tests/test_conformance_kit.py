@@ -1,0 +1,269 @@
+"""The conformance kit (lmlab.testing): every installed first-party attention, position and ffn plugin
+passes it, and plugins broken in one specific way each fail it, with a message naming the check."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab import discovery
+from lmlab.api import (FFN, Attention, AttentionModule, Field, FFNModule, KVCache, ModelShape, Options, Position,
+                       PositionModule, UserError)
+from lmlab.testing import (ConformanceError, check_attention, check_ffn, check_names, check_plugin,
+                           check_plugin_class, check_position, iter_checks)
+
+SLOTS = ("attention", "position", "ffn")
+INSTALLED = [(slot, name) for slot in SLOTS for name in sorted({p.name for p in discovery.installed()[slot]})]
+WITH_OPTIONS = [("attention", "gqa", {"n_kv_heads": 2})]
+
+
+@pytest.mark.parametrize("slot, name, options", [(s, n, None) for s, n in INSTALLED] + WITH_OPTIONS,
+                         ids=[f"{s}/{n}" for s, n in INSTALLED] + [f"{s}/{n}{o}" for s, n, o in WITH_OPTIONS])
+def test_installed_first_party_plugin_passes_the_kit(slot, name, options):
+    check_plugin(discovery.load(slot, name), options)
+
+
+# -- a small correct attention, and attentions broken in one way each -------------------------------
+
+class TinyAttentionModule(AttentionModule):
+    """Causal multi-head attention with a KV cache that honours the position scheme: correct."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.n_heads, self.head_dim = shape.n_heads, shape.head_dim
+        self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model, bias=False)
+        self.out = nn.Linear(shape.d_model, shape.d_model, bias=False)
+
+    def forward(self, x, ctx, state=None):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        if ctx.position.rotates:
+            q, k = ctx.position.rotate(q, k, self.rotary_positions(ctx))
+        if state is not None:
+            k, v = self.write_cache(state, k, v, ctx.start)
+        S = k.shape[2]
+        k_positions = ctx.positions[-1] - S + 1 + torch.arange(S)
+        mask = self.mask(ctx.positions, k_positions)                           # (T, S) True = may attend
+        if ctx.position.biases:
+            mask = torch.zeros(T, S).masked_fill(~mask, float("-inf")) + ctx.position.attention_bias(
+                ctx.positions, k_positions)
+            mask = mask.to(q.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)           # (B, H, T, hs)
+        return self.out(y.transpose(1, 2).reshape(B, T, C))
+
+    def rotary_positions(self, ctx):
+        return ctx.positions
+
+    def write_cache(self, state, k, v, start):
+        return state.update(k, v, start)
+
+    def mask(self, q_positions, k_positions):
+        return k_positions[None, :] <= q_positions[:, None]
+
+    def new_state(self, batch_size, max_len, device, dtype):
+        return KVCache(batch_size, self.n_heads, max_len, self.head_dim, device=device, dtype=dtype)
+
+    def reset_parameters(self, shape):
+        nn.init.normal_(self.qkv.weight, 0.0, shape.init_std)
+        nn.init.normal_(self.out.weight, 0.0, shape.residual_init_std)
+
+
+class TinyAttention(Attention):
+    name = "tiny"
+    module = TinyAttentionModule
+
+    def build(self, shape, layer):
+        return self.module(shape)
+
+
+def broken_attention(name: str, **overrides):
+    """A TinyAttention plugin called ``name`` whose module overrides some methods."""
+    module = type(f"{name.title()}Module", (TinyAttentionModule,), overrides)
+    return type(name.title(), (TinyAttention,), {"name": name, "module": module})
+
+
+def no_causal_mask(self, q_positions, k_positions):
+    return torch.ones(len(q_positions), len(k_positions), dtype=torch.bool)
+
+
+def forget_cache(self, state, k, v, start):
+    return k, v  # attends to the new tokens only
+
+
+def positions_from_zero(self, ctx):
+    return torch.arange(len(ctx.positions))  # every chunk rotated as if it started the sequence
+
+
+def extra_parameter_init(self, shape):
+    TinyAttentionModule.__init__(self, shape)
+    self.unused = nn.Parameter(torch.zeros(shape.d_model))
+
+
+def noisy_forward(self, x, ctx, state=None):
+    return TinyAttentionModule.forward(self, x, ctx, state) + 0.1 * torch.rand_like(x)
+
+
+def float32_forward(self, x, ctx, state=None):
+    return TinyAttentionModule.forward(self, x, ctx, state).float()
+
+
+def unregistered_init(self, shape):
+    TinyAttentionModule.__init__(self, shape)
+    self.gain = torch.rand(shape.d_model)  # a plain attribute: not in the state dict
+
+
+def unregistered_forward(self, x, ctx, state=None):
+    return TinyAttentionModule.forward(self, x, ctx, state) * self.gain
+
+
+def compile_sensitive_forward(self, x, ctx, state=None):
+    y = TinyAttentionModule.forward(self, x, ctx, state)
+    return 2 * y if torch.compiler.is_compiling() else y
+
+
+def refuse_position_schemes(self, x, ctx, state=None):
+    if ctx.position.rotates or ctx.position.biases:
+        raise UserError("no queries to rotate or scores to bias", key="position.use")
+    return TinyAttentionModule.forward(self, x, ctx, state)
+
+
+def failures(plugin, **settings) -> dict[str, str]:
+    """check name → message, for every check the plugin fails."""
+    found = {}
+    for check in iter_checks(plugin, **settings):
+        try:
+            check()
+        except ConformanceError as exc:
+            found[check.name] = str(exc)
+    return found
+
+
+def test_a_correct_small_attention_passes_and_leaves_the_callers_random_state_alone():
+    rng = torch.get_rng_state()
+    check_attention(TinyAttention, skip=["compile"])
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+BROKEN_ATTENTIONS = [
+    (broken_attention("leaky", mask=no_causal_mask), "causality",
+     "outputs up to position 0 changed when only inputs after 0 did"),
+    (broken_attention("forgetful", write_cache=forget_cache), "incremental_decoding",
+     "the cached single step of positions 5..5 differs from the full forward (no position scheme): "
+     "first at position 5"),
+    (broken_attention("offset", rotary_positions=positions_from_zero), "incremental_decoding",
+     "differs from the full forward (a rotating and biasing position scheme)"),
+    (broken_attention("unused", __init__=extra_parameter_init), "gradients", "unused got no gradient"),
+    (broken_attention("noisy", forward=noisy_forward), "determinism", "two eval-mode forwards of one module"),
+    (broken_attention("upcast", forward=float32_forward), "output_bf16",
+     "has dtype torch.float32, expected torch.bfloat16"),
+    (broken_attention("unregistered", __init__=unregistered_init, forward=unregistered_forward), "state_dict",
+     "after loading another build's state dict, the output differs"),
+]
+
+
+def test_a_mixer_may_refuse_a_rotating_or_biasing_scheme_with_a_user_error():
+    check_attention(broken_attention("positionless", forward=refuse_position_schemes), skip=["compile"])
+
+
+@pytest.mark.parametrize("plugin, check, observed", BROKEN_ATTENTIONS, ids=[p.name for p, _, _ in BROKEN_ATTENTIONS])
+def test_a_broken_attention_fails_the_check_that_observes_its_bug(plugin, check, observed):
+    found = failures(plugin, skip=["compile"])
+    assert check in found, found
+    assert found[check].startswith(f"{plugin.name}: {check}: ") and observed in found[check], found[check]
+    with pytest.raises(ConformanceError, match=f"(?m)^{plugin.name}: {check}: "):
+        check_attention(plugin, skip=["compile"])
+
+
+def test_an_attention_that_compiles_to_something_else_fails_the_compile_check():
+    plugin = broken_attention("shapeshifter", forward=compile_sensitive_forward)
+    found = failures(plugin, skip=[n for n in check_names("attention") if n not in ("compile", "output_fp32")])
+    assert set(found) == {"compile"}, found
+    assert found["compile"].startswith("shapeshifter: compile: the output compiled with backend 'aot_eager' differs "
+                                       "from the eager output")
+
+
+# -- position and ffn plugins broken in one way each ------------------------------------------------
+
+class MeanPositionModule(PositionModule):
+    """Adds the mean over the whole sequence: position t sees tokens after t."""
+
+    adds_embedding = True
+
+    def embed(self, x, positions):
+        return x + x.mean(dim=1, keepdim=True)
+
+
+class MeanPosition(Position):
+    name = "mean"
+
+    def build(self, shape):
+        return MeanPositionModule()
+
+
+class MixingMLP(FFNModule):
+    """An MLP plus the sequence mean of its input: tokens interact."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.fc = nn.Linear(shape.d_model, shape.d_model)
+
+    def forward(self, x):
+        return self.fc(x) + x.mean(dim=1, keepdim=True)
+
+
+class MixingFFN(FFN):
+    name = "mixing"
+
+    def build(self, shape, layer):
+        return MixingMLP(shape)
+
+
+def test_a_position_scheme_that_leaks_the_future_fails_causality():
+    found = failures(MeanPosition, skip=["compile"])
+    assert "embed outputs up to position 0 changed when only inputs after 0 did" in found["causality"]
+    assert found["causality"].startswith("mean: causality: ")
+    with pytest.raises(ConformanceError, match="(?m)^mean: causality: "):
+        check_position(MeanPosition, skip=["compile"])
+
+
+def test_an_ffn_that_mixes_positions_fails_position_wise_independence():
+    found = failures(MixingFFN, skip=["compile"])
+    assert set(found) == {"position_wise"}, found
+    assert found["position_wise"].startswith("mixing: position_wise: changing the input at row 0, position 0 "
+                                             "changed the output at row 0, position ")
+    with pytest.raises(ConformanceError, match="^mixing: position_wise: "):
+        check_ffn(MixingFFN, skip=["compile"])
+
+
+# -- the kit's own surface --------------------------------------------------------------------------
+
+def test_checks_are_named_for_pytest_ids_and_can_be_skipped():
+    checks = iter_checks(TinyAttention, skip=["compile"])
+    assert [c.__name__ for c in checks] == [n for n in check_names("attention") if n != "compile"]
+    with pytest.raises(ValueError, match="no check named compiled"):
+        iter_checks(TinyAttention, skip=["compiled"])
+
+
+class NeedsAnOption(Options):
+    width: int = Field(help="no default")
+
+
+class Unconstructible(FFN):
+    Options = NeedsAnOption
+
+
+class FutureApi(MixingFFN):
+    api = ">=2"
+
+
+def test_plugin_class_basics_are_checked_with_a_message_naming_the_plugin():
+    check_plugin_class(TinyAttention, "attention")
+    with pytest.raises(ConformanceError, match="^tiny: plugin_class: .* not a subclass of lmlab.api.FFN"):
+        check_plugin_class(TinyAttention, "ffn")
+    with pytest.raises(ConformanceError, match="excludes this lmlab.api"):
+        check_plugin_class(FutureApi)
+    with pytest.raises(ConformanceError, match="every option needs a default"):
+        check_plugin_class(Unconstructible)
+    check_plugin_class(Unconstructible, options={"width": 3})
+    with pytest.raises(ConformanceError, match=r"^tiny \(n_kv_heads=2\): plugin_class: options .* are refused"):
+        check_attention(TinyAttention, {"n_kv_heads": 2})
