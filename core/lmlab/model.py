@@ -133,9 +133,11 @@ class LanguageModel(nn.Module):
         return InferenceCache(states, max_len)
 
     def param_infos(self) -> list[ParamInfo]:
-        """Trainable parameters; weight decay only for matrices that are not embeddings."""
+        """Trainable parameters; weight decay only for matrices that are not embeddings, and never
+        for a parameter a plugin marked ``_no_weight_decay = True`` (Mamba's A_log and D)."""
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
-        return [ParamInfo(name, p, decay=p.dim() >= 2 and id(p) not in embeddings)
+        return [ParamInfo(name, p, decay=p.dim() >= 2 and id(p) not in embeddings
+                          and not getattr(p, "_no_weight_decay", False))
                 for name, p in self.named_parameters() if p.requires_grad]
 
     def num_params(self, trainable_only: bool = False) -> int:

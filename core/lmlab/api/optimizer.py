@@ -10,7 +10,8 @@ from lmlab.api.plugin import Plugin
 
 @dataclass
 class ParamInfo:
-    """A trainable parameter. ``decay`` is False for norms, biases and embeddings, decided by the core."""
+    """A trainable parameter. ``decay`` is False for norms, biases and embeddings, decided by the core,
+    and for any parameter a plugin marked with the attribute ``_no_weight_decay = True``."""
 
     name: str
     param: torch.nn.Parameter
