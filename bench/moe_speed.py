@@ -3,7 +3,7 @@
 The quickstart's baby GPT (experiments/shakespeare-char.toml: 4 layers, d_model 128, block 64,
 batch 12) with its dense ``mlp`` and with ``moe`` (4 experts, each as wide as the dense MLP:
 hidden = 4 x d_model) routing top-1 (Switch) and top-2 (GShard / Mixtral), capacity factor 1.25.
-One step = forward, backward, gradient clipping and an AdamW step on random tokens. The models
+One step = forward, backward, gradient clipping and an AdamW step on random windows of the corpus. The models
 take turns in windows of ``--every`` steps so machine noise hits all alike; printed are the median
 time per step of each and the ratios moe / dense (target for top-2: <= 2.5).
 
@@ -11,49 +11,16 @@ time per step of each and the ratios moe / dense (target for top-2: <= 2.5).
 """
 
 import argparse
-import statistics
-import time
-from pathlib import Path
 
 import torch
 
-from lmlab import manifest
-from lmlab.model import compute_loss
-from lmlab.train import build
+from stepper import ModelStepper, interleaved_medians
 
-ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "dense mlp": ["ffn.use=mlp"],
     "moe top-1": ["ffn.use=moe", "ffn.n_experts=4", "ffn.top_k=1"],
     "moe top-2": ["ffn.use=moe", "ffn.n_experts=4", "ffn.top_k=2"],
 }
-VOCAB = 65  # tinyshakespeare's characters; the tokens themselves are random
-
-
-class Stepper:
-    """One variant's model, objective and optimizer, stepping on its own random batches."""
-
-    def __init__(self, overrides: list[str]):
-        (variant,) = manifest.load(ROOT / "experiments" / "shakespeare-char.toml", ["tracker.use=none", *overrides])
-        plugins = build.instantiate_all(variant)
-        torch.manual_seed(0)
-        self.model = build.build_model(variant, build.model_shape(variant, VOCAB), plugins).train()
-        self.objective = plugins["objective"]
-        self.optimizer = plugins["optimizer"].build(self.model.param_infos())
-        cfg = variant.manifest
-        self.B, self.T = cfg["train"]["batch_size"], cfg["model"]["block_size"]
-        self.params = self.model.num_params()
-
-    def steps(self, n: int) -> float:
-        """Seconds per step over n steps."""
-        batches = [torch.randint(VOCAB, (self.B, self.T + 1)) for _ in range(n)]
-        start = time.perf_counter()
-        for tokens in batches:
-            compute_loss(self.model, self.objective, self.objective.make_batch(tokens)).total.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return (time.perf_counter() - start) / n
 
 
 def main() -> None:
@@ -62,14 +29,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="steps per window")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per model first")
     args = parser.parse_args()
-    steppers = {name: Stepper(overrides) for name, overrides in VARIANTS.items()}
-    for stepper in steppers.values():
-        stepper.steps(args.warmup)
-    times: dict[str, list[float]] = {name: [] for name in steppers}
-    for _ in range(args.windows):
-        for name, stepper in steppers.items():
-            times[name].append(stepper.steps(args.every))
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    steppers = {name: ModelStepper(overrides) for name, overrides in VARIANTS.items()}
+    medians = interleaved_medians(steppers, args.windows, args.every, args.warmup)
     dense = medians["dense mlp"]
     print(f"threads {torch.get_num_threads()} | {args.windows} interleaved windows of {args.every} steps")
     for name, median in medians.items():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmlab import discovery
-from lmlab.api import ModelShape, UserError
+from lmlab.api import MixerContext, ModelShape, UserError
 from lmlab.model import LanguageModel
 
 SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=24, vocab_size=37)
@@ -130,3 +130,15 @@ def test_parameters_marked_no_weight_decay_are_not_decayed():
     model = build("mamba", "none", "mlp")
     decay = {i.name: i.decay for i in model.param_infos()}
     assert decay["blocks.0.attn.A_log"] is False and decay["blocks.0.attn.in_proj.weight"] is True
+
+
+def test_ffn_none_leaves_mixer_only_blocks():
+    with_mlp, without = build("mha", "learned", "mlp"), build("mha", "learned", "none")
+    names = {n for n, _ in without.named_parameters()}
+    assert not any(".norm2." in n or ".ffn." in n for n in names)
+    assert names < {n for n, _ in with_mlp.named_parameters()}
+    with torch.no_grad():  # the block is x + attn(norm1(x)) and nothing more
+        x = torch.randn(2, 5, SHAPE.d_model)
+        block = without.blocks[0]
+        ctx = MixerContext(without.position, torch.arange(5))
+        torch.testing.assert_close(block(x, ctx), x + block.attn(block.norm1(x), ctx))

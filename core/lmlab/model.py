@@ -29,8 +29,10 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = build_norm(norm, shape, norm_eps)
         self.attn = attention.build(shape, layer)
-        self.norm2 = build_norm(norm, shape, norm_eps)
         self.ffn = ffn.build(shape, layer)
+        # A skipped ffn (FFNModule.skip) leaves a mixer-only block: no norm, no residual branch.
+        self.has_ffn = not getattr(self.ffn, "skip", False)
+        self.norm2 = build_norm(norm, shape, norm_eps) if self.has_ffn else nn.Identity()
         # Identity rather than Dropout(0): a dropout call with p = 0 still costs a kernel per use.
         self.dropout = nn.Dropout(shape.dropout) if shape.dropout else nn.Identity()
         self.checkpointing = "none"
@@ -43,13 +45,15 @@ class Block(nn.Module):
             x = x + checkpoint(self._mix, x, ctx, state, use_reentrant=False)
         else:
             x = x + self._mix(x, ctx, state)
+        if not self.has_ffn:
+            return x
         if policy == "ffn":
             return x + checkpoint(self._feed_forward, x, use_reentrant=False)
         return x + self._feed_forward(x)
 
     def _forward(self, x, ctx, state):
         x = x + self._mix(x, ctx, state)
-        return x + self._feed_forward(x)
+        return x + self._feed_forward(x) if self.has_ffn else x
 
     def _mix(self, x, ctx, state):
         return self.dropout(self.attn(self.norm1(x), ctx, state))
@@ -89,7 +93,8 @@ class LanguageModel(nn.Module):
             block.attn.reset_parameters(self.shape)
             block.ffn.reset_parameters(self.shape)
             block.norm1.reset_parameters()
-            block.norm2.reset_parameters()
+            if block.has_ffn:
+                block.norm2.reset_parameters()
         self.norm_f.reset_parameters()
 
     def set_checkpointing(self, policy: str) -> None:

@@ -15,6 +15,9 @@ class FFNModule(nn.Module):
     """
 
     aux_loss: torch.Tensor | None = None
+    #: True for a module that stands for "no feed-forward": the block then has no ffn part at all
+    #: (no norm, no residual add), as in the original Mamba architecture. (API 1.1)
+    skip: bool = False
 
     def reset_parameters(self, shape: ModelShape) -> None:
         """Initialise weights; output projections into the residual use ``shape.residual_init_std``."""

@@ -4,7 +4,8 @@ Plugins declare the range they work with (``Plugin.api = ">=1.0,<2"``); discover
 plugin whose range excludes this version. Bump the minor version when the API gains something
 (old plugins keep working), the major version when something a plugin relies on changes.
 
-1.1: the ``lmlab_train_batch_end`` hook receives ``log`` (is this a logging step).
+1.1: the ``lmlab_train_batch_end`` hook receives ``log`` (is this a logging step); ``FFNModule.skip``
+     leaves a block without its ffn part; ``_no_weight_decay`` on a parameter exempts it from decay.
 """
 
 API_VERSION = "1.1"

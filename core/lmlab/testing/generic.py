@@ -61,8 +61,11 @@ def gradients(subject: Subject) -> None:
     """In training mode, a backward of a random projection of the output (plus any auxiliary loss the
     module reports) gives every trainable parameter of the plugin, and the floating-point input, a
     finite gradient that is not all zero. A parameter that only a zero-initialised weight hides (a
-    zero-init output projection) passes: the check retries once after perturbing every weight."""
+    zero-init output projection) passes: the check retries once after perturbing every weight.
+    A module that stands for "no ffn" (``FFNModule.skip``) is never run by the model: nothing to check."""
     module = subject.build(subject.seed).train()
+    if getattr(module, "skip", False):
+        return
     problems = _backward_problems(subject, module)
     if problems and not any("non-finite" in p for p in problems):
         with torch.no_grad(), subject.seeded(subject.seed + 7):
@@ -159,6 +162,8 @@ def compiled(subject: Subject) -> None:
     and the eager gradients of every parameter, in training mode. Resets torch.compile's caches first."""
     torch.compiler.reset()  # a plugin class compiled for many option sets would hit the recompile limit
     eager = subject.build(subject.seed).train()
+    if getattr(eager, "skip", False):  # never run by the model (FFNModule.skip)
+        return
     module = copy.deepcopy(eager)
     optimized = torch.compile(module, backend=subject.compile_backend)
     args = subject.example(subject.seed + 1)
