@@ -31,7 +31,7 @@ def test_a_run_writes_the_promised_outputs(tiny_manifest, tmp_path, capsys):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("val_loss", "val_ppl", "train_loss", "tokens_per_s", "wall_s", "params", "trainable_params",
-                "peak_mem_mb", "steps", "plugins", "status"):
+                "peak_mem_mb", "steps", "plugins", "status", "activation_mb", "state_mb", "first_step_s"):
         assert summary[key] is not None, key
     assert summary["status"] == "completed" and summary["steps"] == 6
     assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)

@@ -38,11 +38,16 @@ def _mean_std(values: list[float]) -> str:
 
 def main(args) -> int:
     groups = group_runs(args.runs_dir)
-    header = ("variant", "n", "val_loss", "tokens/s", "peak MB", "params")
+    # Memory: what a training step holds (activations saved for backward + parameters, gradients
+    # and optimizer state), measured per variant; "peak MB" is the process's peak (on the CPU, the
+    # resident set of everything the process ran so far).
+    header = ("variant", "n", "val_loss", "tokens/s", "step MB", "peak MB", "params")
     rows = []
     for name, runs in sorted(groups.items(), key=lambda kv: statistics.mean(r["val_loss"] for r in kv[1])):
+        step_mb = [r["activation_mb"] + r["state_mb"] for r in runs if "activation_mb" in r and "state_mb" in r]
         rows.append((name, str(len(runs)), _mean_std([r["val_loss"] for r in runs]),
                      f"{statistics.median(r['tokens_per_s'] or 0 for r in runs):,.0f}",
+                     f"{max(step_mb):,.1f}" if step_mb else "-",
                      f"{max(r.get('peak_mem_mb') or 0 for r in runs):,.0f}", f"{runs[0]['params']:,}"))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:

@@ -28,6 +28,7 @@ class LMModule(L.LightningModule):
         self.last_loss: torch.Tensor | None = None  # the most recent micro-batch's loss, not synced
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
         self.val_loss: float | None = None
+        self.activation_bytes: int | None = None
         self._val_sum = self._val_count = None
 
     def __setattr__(self, name: str, value) -> None:
@@ -44,7 +45,13 @@ class LMModule(L.LightningModule):
 
     def training_step(self, windows: torch.Tensor, batch_idx: int) -> torch.Tensor:
         batch = self.objective.make_batch(windows)
-        out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
+        if self.activation_bytes is None:  # once: what autograd keeps for backward, per micro-batch
+            saved = SavedBytes()
+            with saved:
+                out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
+            self.activation_bytes = saved.total
+        else:
+            out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
         self.last_loss = out.loss.detach()
         self.last_aux = out.aux.detach() if out.aux is not None else None
         return out.total
@@ -86,6 +93,25 @@ class LMModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lmlab_rng" in checkpoint:
             torch.set_rng_state(checkpoint["lmlab_rng"])
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the tensors autograd saves for backward (each storage once): the
+    activation memory of a step, the part that batch size, sequence length and checkpointing move.
+    A device-independent measure, unlike a CPU process's peak resident set."""
+
+    def __init__(self):
+        self.total = 0
+        seen = set()
+
+        def pack(t: torch.Tensor):
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in seen:
+                seen.add(key)
+                self.total += t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
 
 
 class TokenDataModule(L.LightningDataModule):

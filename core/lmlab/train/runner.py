@@ -65,12 +65,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"])
     recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
                            None, hooks, resume_step=resume_step)
-    trainer = L.Trainer(
-        max_steps=cfg["max_steps"], precision=cfg["precision"], accumulate_grad_batches=cfg["grad_accum"],
-        gradient_clip_val=cfg["grad_clip"] or None, val_check_interval=cfg["eval_every"] * cfg["grad_accum"],
-        check_val_every_n_epoch=None, limit_val_batches=cfg["eval_steps"], num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(run_dir), callbacks=[recorder], **parallel)
+    trainer = _trainer(cfg, run_dir, recorder, parallel)
     main = trainer.is_global_zero
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,16 +84,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         datamodule.full_validation = True
         trainer.limit_val_batches = 1.0
         trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)
-        summary = {
-            "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
-            "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
-            "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
-            "first_step_s": recorder.first_step_s,
-        }
-        if cfg["compile"] and recorder.first_step_s is not None and summary["tokens_per_s"]:
-            # Compilation happens inside the first step; what it took beyond a steady step is its cost.
-            steady = recorder.tokens_per_step * trainer.world_size / summary["tokens_per_s"]
-            summary["compile_s"] = max(0.0, recorder.first_step_s - steady)
+        summary = _completed(trainer, module, recorder, compiled=cfg["compile"])
     except (KeyboardInterrupt, SystemExit):
         summary = {"status": "interrupted", "steps": trainer.global_step}
         raise
@@ -118,6 +104,35 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     return RunResult(summary, module, tokens, plugins, main)
 
 
+def _trainer(cfg: dict, run_dir: Path, recorder, parallel: dict):
+    import lightning as L
+
+    # Lightning's own logger, checkpointing, progress bar and summary are off: the recorder does
+    # those jobs, cheaply per step and into the run folder's format.
+    return L.Trainer(
+        max_steps=cfg["max_steps"], precision=cfg["precision"], accumulate_grad_batches=cfg["grad_accum"],
+        gradient_clip_val=cfg["grad_clip"] or None, val_check_interval=cfg["eval_every"] * cfg["grad_accum"],
+        check_val_every_n_epoch=None, limit_val_batches=cfg["eval_steps"], num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(run_dir), callbacks=[recorder], **parallel)
+
+
+def _completed(trainer, module, recorder, compiled: bool) -> dict:
+    summary = {
+        "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
+        "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
+        "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
+        "first_step_s": recorder.first_step_s,
+        "activation_mb": (module.activation_bytes or 0) / 2**20,
+        "state_mb": _state_bytes(module.model, trainer.optimizers) / 2**20,
+    }
+    if compiled and recorder.first_step_s is not None and summary["tokens_per_s"]:
+        # Compilation happens inside the first step; what it took beyond a steady step is its cost.
+        steady = recorder.tokens_per_step * trainer.world_size / summary["tokens_per_s"]
+        summary["compile_s"] = max(0.0, recorder.first_step_s - steady)
+    return summary
+
+
 def _quiet_lightning() -> None:
     # Lightning's start-up banners (GPU available, tips) and deprecation chatter bury our own
     # output; LMLAB_VERBOSE=1 brings them back.
@@ -135,6 +150,15 @@ def _strip_private(manifest: dict) -> dict:
 def _checkpoint_step(path: Path) -> int | None:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return int(checkpoint.get("global_step", 0))
+
+
+def _state_bytes(model, optimizers) -> int:
+    """Parameters, their gradients and the optimizer's state: the memory a step needs besides activations."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
+                for v in s.values() if torch.is_tensor(v))
+    return params + grads + state
 
 
 def _peak_mem_mb() -> float:
