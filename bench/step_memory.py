@@ -9,12 +9,10 @@ Each argument is one variant: comma-separated overrides of experiments/shakespea
 
 import sys
 
-import torch
-
 from stepper import ModelStepper
 
 from lmlab.model import compute_loss
-from lmlab.train.module import SavedBytes
+from lmlab.train.memory import SavedBytes, state_bytes
 
 
 def step_memory(overrides: list[str]) -> tuple[float, float]:
@@ -24,10 +22,7 @@ def step_memory(overrides: list[str]) -> tuple[float, float]:
     saved = SavedBytes()
     with saved:
         compute_loss(stepper.model, stepper.objective, stepper.objective.make_batch(windows)).total.backward()
-    params = list(stepper.model.parameters())
-    state = 2 * sum(p.numel() * p.element_size() for p in params) + sum(
-        v.numel() * v.element_size() for s in stepper.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    return saved.total / 2**20, state / 2**20
+    return saved.total / 2**20, state_bytes(stepper.model, [stepper.optimizer]) / 2**20
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ def find(slot: str, name: str, key: str) -> PluginInfo:
     candidates = [p for p in installed().get(slot, []) if p.name == name]
     if not candidates:
         names = sorted({p.name for p in installed().get(slot, [])})
-        raise UserError(f"plugin {name!r} is not installed for slot {slot!r}{_did_you_mean(name, names)}; "
+        raise UserError(f"plugin {name!r} is not installed for slot {slot!r}{did_you_mean(name, names)}; "
                         f"{hint_for(slot, name)}", key=key)
     dists = {(p.distribution, p.target) for p in candidates}
     if len(dists) > 1:
@@ -123,11 +123,8 @@ def _import(info: PluginInfo, key: str):
                         f"({info.target}): {type(cause).__name__}: {cause}", key=key) from cause
 
 
-def _did_you_mean(word: str, choices) -> str:
+def did_you_mean(word: str, choices) -> str:
     import difflib
 
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-did_you_mean = _did_you_mean

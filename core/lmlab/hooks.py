@@ -11,8 +11,9 @@ class Hooks:
     def __init__(self, plugins=()):
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(LifecycleSpec)
+        self._implemented: set[str] | None = None  # hook names with an implementation, computed lazily
         for plugin in plugins:
-            if plugin is not None and self.manager.parse_hookimpl_opts(plugin, "") is None:
+            if plugin is not None:
                 self.register(plugin)
 
     def register(self, plugin) -> None:
@@ -22,7 +23,7 @@ class Hooks:
         self._implemented = None
 
     def has(self, name: str) -> bool:
-        if getattr(self, "_implemented", None) is None:
+        if self._implemented is None:
             self._implemented = {spec for spec in dir(LifecycleSpec) if spec.startswith("lmlab_")
                                  and getattr(self.manager.hook, spec).get_hookimpls()}
         return name in self._implemented

@@ -15,12 +15,14 @@ def check_plugin_class(cls, slot: str, info, key: str) -> None:
     base = SLOT_BASES.get(slot)
     if not (inspect.isclass(cls) and base is not None and issubclass(cls, base)):
         raise UserError(f"{who} is not a subclass of lmlab.api.{base.__name__ if base else 'Plugin'}", key=key)
+    if cls.slot and cls.slot != slot:  # Plugin (the base of slots without their own) has none
+        raise UserError(f"{who} says its slot is {cls.slot!r}, but it is registered for {slot!r}", key=key)
     try:
         supported = SpecifierSet(cls.api)
     except InvalidSpecifier:
         raise UserError(f"{who} declares an invalid API range {cls.api!r}", key=key) from None
     if API_VERSION not in supported:
-        raise UserError(f"{who} needs lmlab.api {cls.api}, but this lmlab provides {API_VERSION}; "
+        raise UserError(f"{who} needs lmlab.api {cls.api}, which excludes this lmlab.api {API_VERSION}; "
                         "upgrade the plugin or lmlab", key=key)
     if not (inspect.isclass(cls.Options) and issubclass(cls.Options, Options)):
         raise UserError(f"{who}: its Options must subclass lmlab.api.Options", key=key)

@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader
 from lmlab.api import IGNORE_INDEX
 from lmlab.model import compute_loss
 from lmlab.train.batches import FixedWindows, RandomWindows
+from lmlab.train.memory import SavedBytes
 from lmlab.train.schedule import WarmupDecay
 
 
@@ -93,25 +94,6 @@ class LMModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lmlab_rng" in checkpoint:
             torch.set_rng_state(checkpoint["lmlab_rng"])
-
-
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of the tensors autograd saves for backward (each storage once): the
-    activation memory of a step, the part that batch size, sequence length and checkpointing move.
-    A device-independent measure, unlike a CPU process's peak resident set."""
-
-    def __init__(self):
-        self.total = 0
-        seen = set()
-
-        def pack(t: torch.Tensor):
-            key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in seen:
-                seen.add(key)
-                self.total += t.untyped_storage().nbytes()
-            return t
-
-        super().__init__(pack, lambda t: t)
 
 
 class TokenDataModule(L.LightningDataModule):

@@ -14,6 +14,7 @@ import torch
 from lmlab.api import RunInfo
 from lmlab.hooks import Hooks
 from lmlab.train import build, tokens as token_cache
+from lmlab.train.memory import state_bytes
 from lmlab.train.rundir import write_json, write_toml
 
 
@@ -124,7 +125,7 @@ def _completed(trainer, module, recorder, compiled: bool) -> dict:
         "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
         "first_step_s": recorder.first_step_s,
         "activation_mb": (module.activation_bytes or 0) / 2**20,
-        "state_mb": _state_bytes(module.model, trainer.optimizers) / 2**20,
+        "state_mb": state_bytes(module.model, trainer.optimizers) / 2**20,
     }
     if compiled and recorder.first_step_s is not None and summary["tokens_per_s"]:
         # Compilation happens inside the first step; what it took beyond a steady step is its cost.
@@ -150,15 +151,6 @@ def _strip_private(manifest: dict) -> dict:
 def _checkpoint_step(path: Path) -> int | None:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return int(checkpoint.get("global_step", 0))
-
-
-def _state_bytes(model, optimizers) -> int:
-    """Parameters, their gradients and the optimizer's state: the memory a step needs besides activations."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
-                for v in s.values() if torch.is_tensor(v))
-    return params + grads + state
 
 
 def _peak_mem_mb() -> float:

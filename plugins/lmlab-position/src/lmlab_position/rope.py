@@ -15,6 +15,7 @@ move to and from Hugging Face checkpoints unchanged.
 import torch
 
 from lmlab.api import Field, ModelShape, Options, Position, PositionModule, UserError
+from lmlab_position.angles import angles
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -34,11 +35,7 @@ class RotaryEmbedding(PositionModule):
         self.head_dim, self.base = head_dim, base
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Always in float32 from scratch (not from a buffer that .to(bfloat16) may have rounded):
-        # position x frequency loses whole radians in half precision at long positions.
-        inv_freq = 1.0 / (self.base ** (
-            torch.arange(0, self.head_dim, 2, dtype=torch.float, device=positions.device) / self.head_dim))
-        freqs = positions[:, None].float() * inv_freq                           # (T, hs/2)
+        freqs = angles(positions, self.head_dim, self.base)                     # (T, hs/2) float32
         emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, hs): pair i and i + hs/2 share an angle
         return emb.cos(), emb.sin()
 

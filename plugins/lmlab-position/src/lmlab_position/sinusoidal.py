@@ -18,16 +18,14 @@ out larger than the token embeddings it is added to.
 import torch
 
 from lmlab.api import Field, ModelShape, Options, Position, PositionModule
+from lmlab_position.angles import angles
 
 
 def sinusoids(positions: torch.Tensor, d_model: int, base: float) -> torch.Tensor:
     """positions (T,) → (T, d_model) float32 encoding, sin in even and cos in odd dimensions."""
-    # float32 from scratch even when the model runs in half precision: pos / base^(2i/d) loses
-    # whole radians in bfloat16 at positions of a few hundred.
-    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float, device=positions.device) / d_model)
-    angles = positions[:, None].float() * inv_freq                              # (T, ceil(d/2))
+    theta = angles(positions, d_model, base)                                    # (T, ceil(d/2))
     # stack → (T, ceil(d/2), 2) → flatten interleaves: sin, cos, sin, cos, ...; an odd d drops the last cos
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)[:, :d_model]
+    return torch.stack((theta.sin(), theta.cos()), dim=-1).flatten(1)[:, :d_model]
 
 
 class SinusoidalEncoding(PositionModule):
