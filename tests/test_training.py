@@ -27,9 +27,11 @@ def test_a_run_writes_the_promised_outputs(tiny_manifest, tmp_path, capsys):
     train = [r for r in records if "train_loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6]
     assert all({"step", "train_loss", "lr", "tokens_per_s"} <= r.keys() for r in train)
-    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6, 6]
+    assert records[-1] == {"step": 6, "val_loss": records[-1]["val_loss"], "final": True}
 
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val_loss"] == records[-1]["val_loss"]  # the closing full-split validation
     for key in ("val_loss", "val_ppl", "train_loss", "tokens_per_s", "wall_s", "params", "trainable_params",
                 "peak_mem_mb", "steps", "plugins", "status", "activation_mb", "state_mb", "first_step_s"):
         assert summary[key] is not None, key
@@ -46,16 +48,39 @@ def test_a_run_writes_the_promised_outputs(tiny_manifest, tmp_path, capsys):
     assert "val_loss" in stdout and "--- sample" in stdout
 
 
-def test_an_existing_run_is_not_overwritten_and_resume_skips_completed(tiny_manifest, tmp_path, capsys):
+def test_running_again_skips_a_completed_run_and_refuses_a_different_manifest(tiny_manifest, tmp_path, capsys):
     out = tmp_path / "runs"
     assert run(tiny_manifest(), out) == 0
     before = (out / "default" / "summary.json").read_text()
     capsys.readouterr()
-    assert run(tiny_manifest(), out) == 2
-    assert "--resume" in capsys.readouterr().err
-    assert run(tiny_manifest(), out, "--resume") == 0
-    assert "already completed" in capsys.readouterr().err
+    for extra in ((), ("--resume",)):
+        assert run(tiny_manifest(), out, *extra) == 0
+        assert "already completed" in capsys.readouterr().err
+        assert (out / "default" / "summary.json").read_text() == before
+
+    # Another manifest's run in that folder: refused, naming the folder and the key that differs.
+    assert run(tiny_manifest(), out, "--set", "optimizer.lr=0.5") == 2
+    err = capsys.readouterr().err
+    assert str(out / "default") in err and "optimizer.lr" in err and "--overwrite" in err
     assert (out / "default" / "summary.json").read_text() == before
+    assert run(tiny_manifest(), out, "--set", "optimizer.lr=0.5", "--set", "train.sample_tokens=0",
+               "--overwrite") == 0
+    assert json.loads((out / "default" / "summary.json").read_text())["status"] == "completed"
+    assert tomllib.loads((out / "default" / "manifest.toml").read_text())["optimizer"]["lr"] == 0.5
+
+
+def test_a_failing_variant_is_recorded_and_the_sweep_goes_on(tiny_manifest, tmp_path, capsys):
+    # rope with mamba fails when the model first runs (mamba has no queries to rotate); mha trains.
+    path = tiny_manifest('[position]\nuse = "rope"\n[sweep]\n"attention.use" = ["mamba", "mha"]\n',
+                         steps=2, eval_every=2)
+    out = tmp_path / "runs"
+    assert run(path, out, "--set", "train.sample_tokens=0") == 1
+    err = capsys.readouterr().err
+    failed = json.loads((out / "attention.use=mamba" / "summary.json").read_text())
+    assert failed["status"] == "failed" and "position.use" in failed["error"]
+    assert "Traceback" in (out / "attention.use=mamba" / "error.log").read_text()
+    assert json.loads((out / "attention.use=mha" / "summary.json").read_text())["status"] == "completed"
+    assert "1 of 2 variant(s) did not complete" in err
 
 
 def test_variants_share_one_token_cache(tiny_manifest, tmp_path, monkeypatch):
@@ -64,7 +89,7 @@ def test_variants_share_one_token_cache(tiny_manifest, tmp_path, monkeypatch):
     path = tiny_manifest('[sweep]\n"attention.use" = ["mha", "mqa"]\n', steps=2, eval_every=2)
     assert run(path, tmp_path / "runs", "--set", "train.sample_tokens=0") == 0
     assert len(list((cache / "tokens").iterdir())) == 1
-    assert {p.name for p in (tmp_path / "runs").iterdir()} == {"attention.use=mha", "attention.use=mqa"}
+    assert {p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()} == {"attention.use=mha", "attention.use=mqa"}
 
 
 def test_generate_continues_a_prompt_from_the_best_checkpoint(tiny_manifest, tmp_path, capsys):

@@ -19,6 +19,12 @@ from lmlab.errors import UserError
 TOP_LEVEL = ("name", "seed", "description", "sweep")
 CORE_TABLE_NAMES = ("model", "train")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SEED_PART = re.compile(r"(^|,)seed=-?\d+")
+
+
+def seedless(variant_name: str) -> str:
+    """``attention.use=gqa,seed=2`` → ``attention.use=gqa``: the name its seeds share."""
+    return _SEED_PART.sub("", variant_name).strip(",") or "default"
 
 
 @dataclass
@@ -30,6 +36,12 @@ class Variant:
     plugins: dict[str, Any] = field(default_factory=dict)  # slot → class (many-slots: list of classes)
     base_dir: Path = Path(".")
     notes: list[str] = field(default_factory=list)  # what resolution changed that the user should know
+    peer_keys: tuple[str, ...] = ()  # dotted keys of every variant of the same manifest (for trackers)
+
+    @property
+    def group(self) -> str:
+        """The variant's name without its seed: what its seeds have in common."""
+        return seedless(self.name)
 
     def options(self, slot: str, plugin: str | None = None):
         """The validated Options instance of a slot's plugin."""
@@ -71,7 +83,23 @@ def load(path: str | Path, overrides: list[str] = ()) -> list[Variant]:
     if not isinstance(sweep, dict):
         raise UserError("must be a table of dotted keys to lists", key="sweep")
     base_dir = path.resolve().parent
-    return [_resolve(name, manifest, base_dir) for name, manifest in _expand(merged, sweep)]
+    variants = [_resolve(name, manifest, base_dir) for name, manifest in _expand(merged, sweep)]
+    peer_keys = tuple(sorted({key for v in variants for key in _dotted_keys(v.manifest)}))
+    for variant in variants:
+        variant.peer_keys = peer_keys
+    return variants
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        if key.startswith("_"):
+            continue
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def _defaults() -> dict:

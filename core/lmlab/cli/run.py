@@ -1,6 +1,9 @@
-"""``lmlab run MANIFEST``: trains every variant into ``runs/<name>/<variant>/``."""
+"""``lmlab run MANIFEST``: trains every variant into ``runs/<name>/<variant>/``.
 
-import json
+Running it again continues the sweep (completed variants are skipped, interrupted ones resume); a
+variant that fails is recorded as failed, with its error, and the others still run.
+"""
+
 import os
 import sys
 from pathlib import Path
@@ -15,37 +18,98 @@ def add_arguments(parser) -> None:
                         help="override a manifest value (repeatable), e.g. --set train.max_steps=100")
     parser.add_argument("--out", type=Path, help="runs folder (default: runs/<name>)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue interrupted variants from their last checkpoint; skip completed ones")
+                        help="continue interrupted variants and skip completed ones (what a second run does "
+                             "anyway; kept for scripts that say so)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete what the variants' folders hold and train them from scratch")
+    parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                        help="train N variants at once, in child processes sharing the CPU threads")
+    parser.add_argument("--only", action="append", default=[], metavar="VARIANT",
+                        help="train only this variant of the sweep (repeatable), e.g. for one job of a "
+                             "cluster array")
 
 
 def main(args) -> int:
+    if args.jobs < 1:
+        raise UserError("must be at least 1", key="--jobs")
+    if args.overwrite and args.resume:
+        raise UserError("--overwrite and --resume contradict each other", key="--overwrite")
     variants = manifest.load(args.manifest, args.overrides)
     out = args.out or Path("runs") / variants[0].manifest["name"]
     main_process = _is_main_process()
-    say = (lambda text: print(text, file=sys.stderr)) if main_process else (lambda text: None)
-    plan = []
-    for variant in variants:
-        run_dir = out / variant.name
-        status = _status(run_dir)
-        if status == "completed" and args.resume:
-            say(f"[{variant.name}] already completed; skipped")
-            continue
-        # Other ranks of a distributed run re-run this command after the main one has checked the
-        # folder and started writing there: only the main process refuses to overwrite.
-        if status is not None and not args.resume and main_process:
-            raise UserError(f"{run_dir} already holds a run ({status}); pass --resume to continue it, "
-                            "or --out to write elsewhere", key=str(run_dir))
-        plan.append((variant, run_dir))
-    for note in {n for v, _ in plan for n in v.notes}:
-        say(f"note: {note}")
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if main_process else (lambda text: None)
+    selected = _select(variants, args.only)
 
+    from lmlab.train import sweep
+
+    # Other ranks of a distributed run re-run this command after the main process has planned and
+    # started writing: they must not delete anything, and they follow the same plan.
+    planned = sweep.plan(selected, out, overwrite=args.overwrite and main_process)
+    if main_process:
+        if not args.only:
+            sweep.write_index(out, args.manifest, args.overrides, variants)
+        if args.overwrite:
+            for item in planned:
+                sweep.clear(item.run_dir)
+    for note in dict.fromkeys(n for item in planned for n in item.variant.notes):
+        say(f"note: {note}")
+    todo = []
+    for item in planned:
+        if item.action == "skip":
+            say(f"[{item.variant.name}] already completed; skipped")
+        else:
+            todo.append(item)
+
+    if args.jobs > 1 and len(todo) > 1:
+        base = ["run", str(args.manifest), "--out", str(out), *(f"--set={o}" for o in args.overrides)]
+        results = sweep.run_parallel(todo, args.jobs, base, say)
+        failed = sum(1 for s in results.values() if not s or s.get("status") != "completed")
+    else:
+        failed = _run_here(todo, say)
+    if main_process:
+        _closing_note(variants[0], [item.run_dir for item in planned], say)
+        if failed:
+            say(f"{failed} of {len(planned)} variant(s) did not complete; their error is in summary.json and "
+                "error.log of their folder. Running the same command again retries them.")
+    return 1 if failed else 0
+
+
+def _select(variants: list, only: list[str]) -> list:
+    if not only:
+        return variants
+    by_name = {v.name: v for v in variants}
+    for name in only:
+        if name not in by_name:
+            from lmlab.discovery import did_you_mean
+
+            raise UserError(f"the manifest has no variant {name!r}{did_you_mean(name, list(by_name))}; "
+                            f"it has: {', '.join(by_name)}", key="--only")
+    return [by_name[name] for name in dict.fromkeys(only)]
+
+
+def _run_here(todo: list, say) -> int:
+    """Train the variants one after another in this process; returns how many did not complete."""
     from lmlab.sampling import generate_text
+    from lmlab.train import sweep
     from lmlab.train.runner import run_variant
 
     failed = 0
-    for i, (variant, run_dir) in enumerate(plan, 1):
-        say(f"[{i}/{len(plan)}] {variant.name} → {run_dir}")
-        result = run_variant(variant, run_dir, resume=args.resume)
+    for i, item in enumerate(todo, 1):
+        variant, run_dir = item.variant, item.run_dir
+        say(f"[{i}/{len(todo)}] {variant.name} → {run_dir}" + {"resume": " (resuming)",
+            "restart": " (starting over: the earlier attempt left no checkpoint)"}.get(item.action, ""))
+        if item.action == "restart" and _is_main_process():
+            sweep.clear(run_dir)
+        try:
+            result = run_variant(variant, run_dir, resume=item.action == "resume")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # recorded in the variant's summary.json and error.log by the runner
+            failed += 1
+            say(f"[{variant.name}] failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, UserError) and len(todo) == 1:
+                raise  # one variant and bad input: the plain exit-2 message
+            continue
         s = result.summary
         if not result.is_main:
             continue
@@ -53,27 +117,23 @@ def main(args) -> int:
             failed += 1
             continue
         print(f"[{variant.name}] val_loss {s['val_loss']:.4f} (ppl {s['val_ppl']:.2f}) | "
-              f"{s['tokens_per_s'] or 0:,.0f} tokens/s | {s['wall_s']:.0f}s | {s['params']:,} params")
+              f"{s['tokens_per_s'] or 0:,.0f} tokens/s | {s['wall_s']:.0f}s | {s['params']:,} params", flush=True)
         cfg = variant.manifest["train"]
         if cfg["sample_tokens"]:
             text = generate_text(result.module.model, result.tokens.tokenizer, result.plugins["decoding"],
                                  cfg["sample_prompt"], cfg["sample_tokens"], seed=variant.manifest["seed"])
-            print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---")
-    return 1 if failed else 0
+            print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---",
+                  flush=True)
+    return failed
+
+
+def _closing_note(variant, run_dirs: list[Path], say) -> None:
+    """What the tracker has to say after the sweep (e.g. the `wandb sync` command for offline runs)."""
+    note = variant.instantiate("tracker").closing_note(run_dirs)
+    if note:
+        say(note)
 
 
 def _is_main_process() -> bool:
     """False in the worker processes of a distributed launch (Lightning, torchrun, SLURM)."""
     return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
-
-
-def _status(run_dir: Path) -> str | None:
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        try:
-            return json.loads(summary.read_text()).get("status", "unknown")
-        except json.JSONDecodeError:
-            return "unknown"
-    if (run_dir / "checkpoints" / "last.ckpt").is_file() or (run_dir / "metrics.jsonl").is_file():
-        return "interrupted"
-    return None

@@ -1,10 +1,6 @@
-"""Assembling a variant's pieces: the model shape, the model, the hook manager, provenance."""
+"""Assembling a variant's pieces: the model shape, the model, the plugins, the tracker's config."""
 
-import importlib.metadata as md
-
-from lmlab import __version__, discovery
 from lmlab.api import ModelShape, UserError
-from lmlab.discovery import MANY_SLOTS
 from lmlab.model import LanguageModel
 
 
@@ -31,38 +27,30 @@ def instantiate_all(variant) -> dict:
     return {slot: variant.instantiate(slot) for slot in variant.plugins}
 
 
-def provenance(variant) -> dict:
-    """slot → {name, distribution, version} of each plugin the variant uses."""
-    out = {}
-    for slot, cls in variant.plugins.items():
-        names = [c.name for c in cls] if slot in MANY_SLOTS else [cls.name]
-        entries = []
-        for name in names:
-            info = discovery.find(slot, name, key=f"{slot}.use")
-            entries.append({"name": name, "distribution": info.distribution, "version": info.version})
-        out[slot] = entries if slot in MANY_SLOTS else entries[0]
-    return out
-
-
-def environment() -> dict:
-    import torch
-
-    def version(dist: str) -> str | None:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return None
-
-    return {"lmlab": __version__, "torch": torch.__version__, "lightning": version("lightning")}
-
-
 def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"attention": {"use": "gqa"}} → {"attention.use": "gqa"} (W&B groups by flat keys)."""
+    """{"attention": {"use": "gqa"}} → {"attention.use": "gqa"}.
+
+    Lists become comma-joined strings: W&B's UI can neither filter nor group by the elements of a
+    list-valued config key (wandb issue 6222), and a string compares as a whole.
+    """
     flat = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
             flat.update(flatten(value, dotted + "."))
+        elif isinstance(value, (list, tuple)):
+            flat[dotted] = ",".join(str(v) for v in value)
         else:
             flat[dotted] = value
+    return flat
+
+
+def tracker_config(variant, resolved: dict, peer_keys: tuple[str, ...] = ()) -> dict:
+    """The flat config a tracker groups by: every resolved key, plus ``None`` for each key that another
+    variant of the same sweep has and this one lacks (W&B cannot group runs of methods whose options
+    differ unless each run carries every key — wandb issue 9046), plus ``variant`` (the name without
+    its seed, so seeds of one variant group together)."""
+    flat = {key: None for key in peer_keys}
+    flat.update(flatten(resolved))
+    flat["variant"] = variant.group
     return flat

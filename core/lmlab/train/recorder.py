@@ -93,6 +93,12 @@ class RunRecorder(L.Callback):
             self.best_val_loss = val_loss
             self._save(trainer, "best.ckpt")
 
+    def final_validation(self, trainer, val_loss: float) -> None:
+        """The closing evaluation over the whole validation split goes into metrics.jsonl as well,
+        marked ``final``, so the file alone holds every number ``summary.json`` reports from it."""
+        if trainer.is_global_zero and self.metrics is not None:
+            self.metrics.write({"step": trainer.global_step, "val_loss": val_loss, "final": True})
+
     def save_last(self, trainer) -> None:
         self._save(trainer, "last.ckpt")
 

@@ -4,18 +4,20 @@ import logging
 import math
 import os
 import resource
-import warnings
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lmlab import provenance
 from lmlab.api import RunInfo
 from lmlab.hooks import Hooks
 from lmlab.train import build, tokens as token_cache
 from lmlab.train.memory import state_bytes
-from lmlab.train.rundir import write_json, write_toml
+from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
 
 
 @dataclass
@@ -56,7 +58,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
     ckpt_path = last_ckpt if resume and last_ckpt.is_file() else None
     resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
-    provenance = build.provenance(variant)
+    used = provenance.plugins(variant)
+    environment = provenance.environment()
 
     parallel = plugins["parallel"].trainer_kwargs()
     tracker = plugins["tracker"]
@@ -71,12 +74,16 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_toml(run_dir / "manifest.toml", _strip_private(resolved))
+        write_json(run_dir / "provenance.json", {"plugins": used, "environment": environment})
+        (run_dir / "error.log").unlink(missing_ok=True)  # from an earlier, failed attempt
         (run_dir / "tokenizer").mkdir(exist_ok=True)
         tokens.tokenizer.save(run_dir / "tokenizer")
         recorder.tracker = tracker
+        public = _strip_private(resolved)
         tracker.start(RunInfo(run_dir=run_dir, group=variant.manifest["name"], name=variant.name,
-                              config=resolved, flat_config=build.flatten(resolved), plugins=provenance,
-                              resume=ckpt_path is not None))
+                              config=public, flat_config=build.tracker_config(variant, public, variant.peer_keys),
+                              plugins=used, resume=ckpt_path is not None, variant=variant.group,
+                              environment=environment))
     summary = {"status": "failed", "steps": resume_step or 0}
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -85,18 +92,21 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         datamodule.full_validation = True
         trainer.limit_val_batches = 1.0
         trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)
+        recorder.final_validation(trainer, module.val_loss)
         summary = _completed(trainer, module, recorder, compiled=cfg["compile"])
     except (KeyboardInterrupt, SystemExit):
         summary = {"status": "interrupted", "steps": trainer.global_step}
         raise
     except Exception as exc:
         summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": trainer.global_step}
+        if main:
+            atomic_write_bytes(run_dir / "error.log", traceback.format_exc().encode())
         raise
     finally:
         recorder.close()
         summary.update(wall_s=time.perf_counter() - started, params=model.num_params(),
                        trainable_params=model.num_params(trainable_only=True), peak_mem_mb=_peak_mem_mb(),
-                       plugins=provenance, environment=build.environment())
+                       plugins=used, environment=environment)
         if main:
             write_json(run_dir / "summary.json", summary)
             tracker.finish(summary, summary["status"])

@@ -20,10 +20,17 @@ def offline_wandb(monkeypatch, tmp_path):
         monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
 
 
+ENVIRONMENT = {"lmlab": "0.1.0", "git": "abc123", "torch": "2.13.0", "lightning": "2.6.6", "device": "cpu"}
+
+
 def info(run_dir, resume=False, **extra_config) -> RunInfo:
-    flat = {"name": "ablation", "seed": 1, "model.n_layers": 2, "attention.use": "gqa", **extra_config}
-    return RunInfo(run_dir=run_dir, group="ablation", name="attention.use=gqa,seed=1", config={},
-                   flat_config=flat, plugins=PLUGINS, resume=resume)
+    flat = {"name": "ablation", "seed": 1, "model.n_layers": 2, "attention.use": "gqa",
+            "attention.n_kv_heads": 2, "objective.use": "causal-lm", "variant": "attention.use=gqa", **extra_config}
+    nested = {"name": "ablation", "seed": 1, "model": {"n_layers": 2},
+              "attention": {"use": "gqa", "n_kv_heads": 2}, "objective": {"use": "causal-lm"}}
+    return RunInfo(run_dir=run_dir, group="ablation", name="attention.use=gqa,seed=1", config=nested,
+                   flat_config=flat, plugins=PLUGINS, resume=resume, variant="attention.use=gqa",
+                   environment=ENVIRONMENT)
 
 
 def run_once(run_dir, status="completed", resume=False, **extra_config):
@@ -101,11 +108,13 @@ def test_offline_run_lands_in_run_dir_with_flat_config_plugins_metrics_and_summa
 
     (run,) = of_type(log, "run")
     assert (run.run_id, run.project, run.run_group, run.display_name, run.job_type) == (
-        run_id, "lmlab", "ablation", "attention.use=gqa,seed=1", "train")
-    assert list(run.tags) == ["test"]
+        run_id, "lmlab", "ablation", "attention.use=gqa,seed=1", "causal-lm")
+    assert list(run.tags) == ["test", "attention:gqa", "tracker:wandb"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    # Flat keys to group by, and the same tables nested.
     assert config["model.n_layers"] == 2 and config["attention.use"] == "gqa" and config["seed"] == 1
-    assert config["plugins"] == PLUGINS
+    assert config["attention"] == {"use": "gqa", "n_kv_heads": 2} and config["variant"] == "attention.use=gqa"
+    assert config["plugins"] == PLUGINS and config["environment"] == ENVIRONMENT
 
     history = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in h.item}
                for h in of_type(log, "history")]
@@ -160,3 +169,13 @@ def test_mode_comes_from_the_environment_and_disabled_writes_no_run(tmp_path, mo
 def test_logging_before_start_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before start"):
         WandbTracker().log({"train_loss": 1.0}, step=0)
+
+
+def test_the_closing_note_is_the_sync_command_for_the_offline_runs(tmp_path):
+    run_once(tmp_path / "runs" / "a")
+    run_once(tmp_path / "runs" / "b")
+    (tmp_path / "runs" / "c").mkdir()  # a variant that never started its tracker
+    note = WandbTracker().closing_note([tmp_path / "runs" / name for name in "abc"])
+    assert "2 offline run(s)" in note
+    assert note.endswith(f"wandb sync {tmp_path / 'runs'}/*/wandb/offline-run-*")
+    assert WandbTracker().closing_note([tmp_path / "runs" / "c"]) is None

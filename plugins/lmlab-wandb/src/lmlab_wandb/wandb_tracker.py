@@ -1,9 +1,17 @@
 """Weights & Biases tracking, offline unless asked otherwise.
 
 Each variant is one W&B run: its group is the manifest's name (so a sweep's variants sit together),
-its name the variant's, its config the resolved manifest with dotted keys plus the version of
-every plugin used. The run's files go to ``<run_dir>/wandb/``; an offline run can be uploaded
-later with ``wandb sync <run_dir>/wandb/offline-run-*``.
+its name the variant's, its job type the objective's plugin (``causal-lm``, ``sft``, ...), its tags
+``slot:plugin`` for each slot. The config carries the resolved manifest twice, because W&B's UI
+handles neither form alone well: as nested objects (``attention: {use, n_kv_heads}``, readable) and
+as flat top-level ``slot.option`` keys with lists joined into strings, which the UI can filter and
+group by (wandb issue 6222), where every variant of a sweep has every key, ``None`` where it does not
+apply (so runs of methods with different options still group: wandb issue 9046). ``variant`` is the
+name without the seed, to group seeds. Provenance rides along: ``plugins`` (distribution and version
+per slot) and ``environment`` (lmlab version, git revision, torch and Lightning versions, device).
+
+The run's files go to ``<run_dir>/wandb/``; offline runs are uploaded later with the ``wandb sync``
+command printed at the end of ``lmlab run``.
 
 The W&B run id is kept in ``<run_dir>/wandb/run_id`` so that ``lmlab run --resume`` continues the
 same W&B run instead of starting a second one. No API key is ever read or written by this plugin:
@@ -12,6 +20,8 @@ online mode uses whatever login ``wandb`` itself finds (``wandb login`` or ``WAN
 
 import os
 import re
+import shlex
+from pathlib import Path
 from typing import Any, Literal
 
 from lmlab.api import Field, Options, RunInfo, Tracker
@@ -32,6 +42,7 @@ class WandbTracker(Tracker):
     """One W&B run per variant; several runs in one process are kept apart."""
 
     Options = WandbOptions
+    api = ">=1.2,<2"  # RunInfo.variant and .environment, closing_note
 
     def __init__(self, options: WandbOptions | None = None):
         super().__init__(options)
@@ -44,11 +55,10 @@ class WandbTracker(Tracker):
         id_file = info.run_dir / "wandb" / "run_id"
         id_file.parent.mkdir(parents=True, exist_ok=True)  # wandb.init(dir=run_dir) writes here too
         run_id = id_file.read_text().strip() if id_file.is_file() else None
-        config = {key: ("***" if _SECRET_KEY.search(key) else value) for key, value in info.flat_config.items()}
-        config["plugins"] = info.plugins
         self._run = wandb.init(
             project=self.options.project, entity=self.options.entity, group=info.group, name=info.name,
-            tags=list(self.options.tags), job_type="train", config=config, dir=str(info.run_dir),
+            tags=[*self.options.tags, *plugin_tags(info.plugins)], job_type=job_type(info.config),
+            config=run_config(info), dir=str(info.run_dir),
             mode=mode, id=run_id, resume="allow" if run_id else None,
             # Each variant of a sweep is its own run, even when they share this process.
             reinit="create_new",
@@ -68,7 +78,48 @@ class WandbTracker(Tracker):
         run.finish(exit_code=0 if status == "completed" else 1)
         self._run = None
 
+    def closing_note(self, run_dirs: list[Path]) -> str | None:
+        offline = [d for d in run_dirs if any((d / "wandb").glob("offline-run-*"))]
+        if not offline:
+            return None
+        # One glob per runs folder, so the command stays short for a large sweep; a resumed variant
+        # has one offline folder per start, all with the same run id, which sync merges into one run.
+        patterns = sorted({shlex.quote(str(d.parent)) + "/*/wandb/offline-run-*" for d in offline})
+        return f"W&B: {len(offline)} offline run(s); to upload them: wandb sync {' '.join(patterns)}"
+
     def _require_run(self):
         if self._run is None:
             raise RuntimeError("the wandb tracker was used before start() or after finish()")
         return self._run
+
+
+def run_config(info: RunInfo) -> dict[str, Any]:
+    """Nested manifest tables, flat grouping keys, provenance; anything that looks like a credential
+    masked before it leaves the machine."""
+    config = {key: value for key, value in info.config.items() if isinstance(value, dict)}
+    config.update(info.flat_config)
+    config["plugins"] = info.plugins
+    config["environment"] = info.environment
+    return _masked(config)
+
+
+def _masked(value: Any, key: str = "") -> Any:
+    if key and _SECRET_KEY.search(key):
+        return "***"
+    if isinstance(value, dict):
+        return {k: _masked(v, str(k)) for k, v in value.items()}
+    return value
+
+
+def job_type(config: dict) -> str:
+    objective = config.get("objective")
+    return objective.get("use", "train") if isinstance(objective, dict) else "train"
+
+
+def plugin_tags(plugins: dict) -> list[str]:
+    """``attention:gqa``, ``ffn:moe``, ... (W&B caps a tag at 64 characters)."""
+    tags = []
+    for slot, entry in sorted(plugins.items()):
+        for e in entry if isinstance(entry, list) else [entry]:
+            tags.append(f"{slot}:{e['name']}"[:64])
+    return tags

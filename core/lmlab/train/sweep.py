@@ -1,0 +1,176 @@
+"""A manifest's variants against its runs folder: what to skip, resume or start, and running several
+at once.
+
+Running a manifest again continues it: a variant whose folder holds a completed run of the same
+resolved manifest is skipped, an interrupted or failed one resumes from its last checkpoint (or starts
+over when it never wrote one), and a folder holding a run of a *different* manifest is refused rather
+than mixed into it. ``--jobs N`` runs N variants as child processes of this one, each an ordinary
+``lmlab run --only VARIANT`` with its share of the CPU threads and its output in the variant's
+``output.log``; the parent only launches, waits and reports. Nothing here imports torch.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmlab.errors import UserError
+from lmlab.train.rundir import write_json
+
+#: Keys that change how a run is reported or sampled, not what it trains: they may differ when a run
+#: is continued (prefixes of dotted keys).
+NOT_TRAINING = ("description", "tracker.", "decoding.", "train.sample_", "train.threads")
+#: A run's own files in its folder, removed when it starts over.
+RUN_FILES = ("checkpoints", "wandb", "metrics.jsonl", "summary.json", "error.log", "provenance.json")
+
+
+@dataclass
+class Planned:
+    variant: object  # lmlab.manifest.Variant
+    run_dir: Path
+    action: str  # "start", "resume", "restart" (an unfinished run with no checkpoint) or "skip"
+    status: str | None  # what the folder held: None, "completed", "failed", "interrupted"
+
+
+def status_of(run_dir: Path) -> str | None:
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        try:
+            return json.loads(summary.read_text()).get("status", "unknown")
+        except json.JSONDecodeError:
+            return "unknown"
+    if (run_dir / "checkpoints" / "last.ckpt").is_file() or (run_dir / "metrics.jsonl").is_file():
+        return "interrupted"
+    return None
+
+
+def plan(variants: list, out: Path, overwrite: bool = False) -> list[Planned]:
+    """One entry per variant; raises UserError for a folder that holds another manifest's run."""
+    planned = []
+    for variant in variants:
+        run_dir = out / variant.name
+        status = None if overwrite else status_of(run_dir)
+        if status is not None:
+            _same_manifest(variant, run_dir)
+        if status is None:
+            action = "start"
+        elif status == "completed":
+            action = "skip"
+        elif (run_dir / "checkpoints" / "last.ckpt").is_file():
+            action = "resume"
+        else:
+            action = "restart"
+        planned.append(Planned(variant, run_dir, action, status))
+    return planned
+
+
+def _same_manifest(variant, run_dir: Path) -> None:
+    from lmlab.manifest import read_toml
+    from lmlab.train.build import flatten
+
+    stored_path = run_dir / "manifest.toml"
+    if not stored_path.is_file():
+        return  # killed before it wrote one: nothing to disagree with
+    stored = flatten(read_toml(stored_path))
+    current = {k: v for k, v in flatten(variant.manifest).items() if v is not None and not k.startswith("_")}
+    stored.pop("model.vocab_size", None)  # filled in from the tokenizer when the run started
+    current.pop("model.vocab_size", None)
+    differing = sorted(k for k in set(stored) | set(current)
+                       if stored.get(k) != current.get(k) and not k.startswith(NOT_TRAINING))
+    if differing:
+        shown = ", ".join(f"{k}: {stored.get(k)!r} there, {current.get(k)!r} now" for k in differing[:3])
+        more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+        raise UserError(f"holds a run of a different manifest ({shown}{more}); pass --out to write "
+                        "elsewhere, or --overwrite to replace it", key=str(run_dir))
+
+
+def clear(run_dir: Path) -> None:
+    """Remove a run's own files from its folder (an attempt that left no checkpoint, or --overwrite),
+    so that neither its metrics nor its W&B run are mixed into the new one."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def write_index(out: Path, manifest_path: str, overrides: list[str], variants: list) -> None:
+    """``sweep.json`` in the runs folder: the manifest, overrides and the variants in sweep order
+    (``lmlab compare`` takes its default baseline and row order from it)."""
+    write_json(out / "sweep.json", {
+        "name": variants[0].manifest["name"], "manifest": str(Path(manifest_path).resolve()),
+        "overrides": list(overrides), "variants": [v.name for v in variants],
+        "groups": list(dict.fromkeys(v.group for v in variants)),
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def run_parallel(todo: list[Planned], jobs: int, base_argv: list[str], say) -> dict[str, dict | None]:
+    """Run ``todo`` in up to ``jobs`` child processes; variant name → its summary (None: no summary).
+
+    ``base_argv`` is the ``lmlab run`` command line without ``--only``/``--jobs``/``--overwrite``.
+    Each child gets ``cpu_count // jobs`` threads (at least one): N processes that each start as
+    many threads as there are cores run many times slower than one.
+    """
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    pending, running, results = list(todo), {}, {}
+    total, done = len(todo), 0
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                item = pending.pop(0)
+                item.run_dir.mkdir(parents=True, exist_ok=True)
+                log = open(item.run_dir / "output.log", "ab")
+                argv = [sys.executable, "-m", "lmlab", *base_argv, "--only", item.variant.name]
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+                log.close()
+                running[proc] = item
+                say(f"[{item.variant.name}] {_verb(item.action)} (pid {proc.pid}, {threads} thread(s), "
+                    f"output in {item.run_dir / 'output.log'})")
+            time.sleep(0.2)
+            for proc in [p for p in running if p.poll() is not None]:
+                item = running.pop(proc)
+                done += 1
+                summary = read_summary(item.run_dir)
+                results[item.variant.name] = summary
+                say(f"[{done}/{total}] {describe(item.variant.name, summary, proc.returncode, item.run_dir)}")
+    except KeyboardInterrupt:
+        for proc in running:  # each child records its run as interrupted and keeps its checkpoint
+            proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
+    return results
+
+
+def _verb(action: str) -> str:
+    return {"start": "started", "resume": "resuming from its last checkpoint",
+            "restart": "starting over (the earlier attempt left no checkpoint)"}.get(action, action)
+
+
+def describe(name: str, summary: dict | None, returncode: int, run_dir: Path) -> str:
+    """One line on how a variant ended."""
+    if summary is None:
+        return f"{name}: ended without a summary (exit status {returncode}); see {run_dir / 'output.log'}"
+    if summary.get("status") == "completed":
+        return (f"{name}: val_loss {summary['val_loss']:.4f} | {summary.get('tokens_per_s') or 0:,.0f} tokens/s | "
+                f"{summary.get('wall_s', 0):.0f}s")
+    return f"{name}: {summary.get('status')}: {summary.get('error', '')}".rstrip(": ")
+

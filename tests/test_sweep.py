@@ -1,0 +1,115 @@
+"""A sweep killed part-way and run again ends with every variant completed once: completed variants are
+skipped, the interrupted one resumes (in the same W&B run), and the rest run, here two at a time."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+SWEEP = '[sweep]\n"attention.use" = ["mha", "mqa"]\nseeds = [1, 2]\n'
+VARIANTS = ["attention.use=mha,seed=1", "attention.use=mha,seed=2", "attention.use=mqa,seed=1",
+            "attention.use=mqa,seed=2"]
+STEPS = 160
+
+
+def lmlab(*args: str, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "lmlab", *args], env=env, text=True, **popen)
+
+
+def wait_for(condition, proc, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[1][-2000:]}"
+        time.sleep(0.02)
+    raise AssertionError(f"not reached within {timeout}s")
+
+
+def wandb_run_ids(run_dir) -> list[str]:
+    """One W&B run id per offline folder (a resumed run has one folder per process start)."""
+    return [log.stem.removeprefix("run-") for log in (run_dir / "wandb").glob("offline-run-*/run-*.wandb")]
+
+
+@pytest.fixture
+def sweep_manifest(tiny_manifest):
+    path = tiny_manifest(SWEEP, steps=STEPS, eval_every=80, checkpoint_every=20)
+    path.write_text(path.read_text().replace('[tracker]\nuse = "none"', '[tracker]\nuse = "wandb"'))
+    return path
+
+
+def test_a_killed_sweep_run_again_completes_every_variant_once(sweep_manifest, tmp_path):
+    out = tmp_path / "runs"
+    args = ("run", str(sweep_manifest), "--out", str(out), "--set", "train.sample_tokens=0")
+    first = lmlab(*args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    second_variant = out / VARIANTS[1]
+    # Kill the whole sweep as soon as the second variant has written its first checkpoint.
+    wait_for(lambda: (second_variant / "checkpoints" / "last.ckpt").is_file(), first)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert json.loads((out / VARIANTS[0] / "summary.json").read_text())["status"] == "completed"
+    assert not (second_variant / "summary.json").exists()
+    done_before = (out / VARIANTS[0] / "summary.json").read_text()
+
+    again = lmlab(*args, "--jobs", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = again.communicate(timeout=600)
+    assert again.returncode == 0, stderr[-3000:]
+    assert f"[{VARIANTS[0]}] already completed; skipped" in stderr
+    assert f"[{VARIANTS[1]}] resuming from its last checkpoint" in stderr
+
+    summaries = {v: json.loads((out / v / "summary.json").read_text()) for v in VARIANTS}
+    assert {v: s["status"] for v, s in summaries.items()} == dict.fromkeys(VARIANTS, "completed")
+    assert all(s["steps"] == STEPS for s in summaries.values())
+    assert (out / VARIANTS[0] / "summary.json").read_text() == done_before  # skipped, untouched
+    steps = [json.loads(line)["step"] for line in (second_variant / "metrics.jsonl").read_text().splitlines()
+             if "train_loss" in line]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS  # resumed: no step logged twice
+
+    # No duplicated W&B runs: one run id per variant; the resumed variant's two offline folders share it.
+    ids = {v: set(wandb_run_ids(out / v)) for v in VARIANTS}
+    assert all(len(found) == 1 for found in ids.values()), ids
+    assert len(set().union(*ids.values())) == 4
+    assert len(wandb_run_ids(second_variant)) == 2
+    assert "wandb sync" in stderr and str(out) in stderr
+
+    index = json.loads((out / "sweep.json").read_text())
+    assert index["variants"] == VARIANTS and index["groups"] == ["attention.use=mha", "attention.use=mqa"]
+
+
+def test_offline_wandb_runs_read_back_with_wandbs_own_tool_carry_grouping_keys_and_versions(tiny_manifest, tmp_path):
+    path = tiny_manifest('[attention]\nuse = "gqa"\nn_kv_heads = 2\n[sweep]\n"attention.use" = ["mha", "gqa"]\n',
+                         steps=2, eval_every=2)
+    out = tmp_path / "runs"
+    run = lmlab("run", str(path), "--out", str(out), "--set", "tracker.use=wandb", "--set", "train.sample_tokens=0",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    wandb_cli = os.path.join(os.path.dirname(sys.executable), "wandb")
+    for variant, plugin in (("attention.use=mha", "mha"), ("attention.use=gqa", "gqa")):
+        (folder,) = (out / variant / "wandb").glob("offline-run-*")
+        shown = subprocess.run([wandb_cli, "leet", "inspect", "--summary", "--json", str(folder)],
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        config = json.loads(shown.stdout)["config"]
+        # Flat keys W&B's UI can group by, the same for every variant of the sweep (null where an
+        # option does not apply: mha has no n_kv_heads), and the seedless variant name.
+        assert config["attention.use"] == plugin and config["variant"] == variant
+        assert config["attention.n_kv_heads"] == (None if plugin == "mha" else 2)
+        assert config["attention"]["use"] == plugin  # and nested
+        assert config["plugins"]["attention"] == {"name": plugin, "distribution": "lmlab-attention",
+                                                  "version": config["plugins"]["attention"]["version"]}
+        assert config["environment"]["torch"] and config["environment"]["lmlab"]
+        assert isinstance(config["optimizer.betas"], str)  # a list, flattened so that it can be grouped by
+
+        records = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(folder)],
+                                 capture_output=True, text=True, timeout=120).stdout
+        run_record = next(json.loads(line) for line in records.splitlines() if '"type":"run"' in line)
+        text = json.dumps(run_record)
+        assert "causal-lm" in text and f"attention:{plugin}" in text and path.stem in text  # job type, tag, group
+    assert Counter(len(wandb_run_ids(out / v)) for v in ("attention.use=mha", "attention.use=gqa")) == {1: 2}
