@@ -4,6 +4,7 @@ skipped, the interrupted one resumes (in the same W&B run), and the rest run, he
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -11,10 +12,12 @@ from collections import Counter
 
 import pytest
 
+from support import run_cli
+
 SWEEP = '[sweep]\n"attention.use" = ["mha", "mqa"]\nseeds = [1, 2]\n'
 VARIANTS = ["attention.use=mha,seed=1", "attention.use=mha,seed=2", "attention.use=mqa,seed=1",
             "attention.use=mqa,seed=2"]
-STEPS = 160
+STEPS = 120
 
 
 def lmlab(*args: str, **popen):
@@ -39,7 +42,7 @@ def wandb_run_ids(run_dir) -> list[str]:
 
 @pytest.fixture
 def sweep_manifest(tiny_manifest):
-    path = tiny_manifest(SWEEP, steps=STEPS, eval_every=80, checkpoint_every=20)
+    path = tiny_manifest(SWEEP, steps=STEPS, eval_every=60, checkpoint_every=20)
     path.write_text(path.read_text().replace('[tracker]\nuse = "none"', '[tracker]\nuse = "wandb"'))
     return path
 
@@ -80,6 +83,22 @@ def test_a_killed_sweep_run_again_completes_every_variant_once(sweep_manifest, t
 
     index = json.loads((out / "sweep.json").read_text())
     assert index["variants"] == VARIANTS and index["groups"] == ["attention.use=mha", "attention.use=mqa"]
+
+    # `lmlab compare` on that folder: its statistics, computed here straight from metrics.jsonl.
+    shown = run_cli("compare", str(out))
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[0]: line for line in shown.stdout.splitlines()[2:4]}
+    finals = {}
+    for group in ("attention.use=mha", "attention.use=mqa"):
+        finals[group] = [[r["val_loss"] for r in map(json.loads, (out / f"{group},seed={seed}" / "metrics.jsonl")
+                                                     .read_text().splitlines()) if r.get("final")][-1]
+                         for seed in (1, 2)]
+        values = finals[group]
+        assert f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}" in rows[group]
+        assert f"{min(values):.4f}" in rows[group] and rows[group].split()[1] == "2"
+    stats = pytest.importorskip("scipy.stats")
+    p = stats.ttest_ind(finals["attention.use=mqa"], finals["attention.use=mha"], equal_var=False).pvalue
+    assert f" {p:.2g} " in rows["attention.use=mqa"] and "baseline" in rows["attention.use=mha"]
 
 
 def test_offline_wandb_runs_read_back_with_wandbs_own_tool_carry_grouping_keys_and_versions(tiny_manifest, tmp_path):
