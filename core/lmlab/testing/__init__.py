@@ -48,6 +48,13 @@ generation too, at many times the cost) and ``skip`` (names of checks not to run
 
 Position plugins are checked inside the core's ``LanguageModel`` assembled with the kit's own
 reference attention and feed-forward (:mod:`lmlab.testing.reference`), so the kit depends on no plugin.
+
+Parallel plugins: :func:`check_parallel_matches_single` trains a tiny model on one device and with
+the plugin on several CPU processes, and requires the same loss at every step and a checkpoint that
+``lmlab generate`` loads (:mod:`lmlab.testing.parallel`)::
+
+    def test_my_strategy_matches_one_device(tmp_path):
+        check_parallel_matches_single('use = "my-strategy"\ndevices = 2\naccelerator = "cpu"', tmp_path)
 """
 
 from collections.abc import Iterable
@@ -55,6 +62,7 @@ from collections.abc import Iterable
 from lmlab.testing import attention, ffn, position
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
 from lmlab.testing.generic import verify_class
+from lmlab.testing.parallel import check_parallel_matches_single
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition, reference_model
 
 #: slot → (the Subject class that builds its modules, name → check function)
@@ -128,6 +136,7 @@ def _slot(slot: str):
 
 __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
-    "check_attention", "check_ffn", "check_names", "check_plugin", "check_plugin_class", "check_position",
+    "check_attention", "check_ffn", "check_names", "check_parallel_matches_single", "check_plugin",
+    "check_plugin_class", "check_position",
     "iter_checks", "reference_model",
 ]

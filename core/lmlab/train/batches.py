@@ -1,7 +1,10 @@
 """Token windows for training (random) and validation (fixed).
 
-A training batch is a pure function of (seed, rank, micro-step), so a resumed run sees exactly the
-batches the interrupted one would have, and DDP ranks see different ones.
+A training batch is a pure function of (seed, micro-step): the *global* batch of all data-parallel
+replicas is drawn at once and each replica takes its slice. A resumed run therefore sees exactly the
+batches the interrupted one would have, and a run on N data-parallel replicas with batch_size B sees
+the same data, in the same order, as a single device with batch_size N·B: the two are comparable
+step by step (the parallel strategies' tests rely on it).
 """
 
 import numpy as np
@@ -13,17 +16,18 @@ class RandomWindows(IterableDataset):
     """Endless batches (B, T+1) of windows starting at uniformly random offsets (nanoGPT's get_batch)."""
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
-                 rank: int = 0, start: int = 0):
+                 replica: int = 0, replicas: int = 1, start: int = 0):
         if len(tokens) <= block_size + 1:
             raise ValueError(f"the training split has {len(tokens)} tokens; block_size {block_size} needs more")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
-        self.seed, self.rank, self.start = seed, rank, start
+        self.seed, self.replica, self.replicas, self.start = seed, replica, replicas, start
         self._offsets = np.arange(block_size + 1)
 
     def batch(self, index: int) -> torch.Tensor:
-        rng = np.random.default_rng([self.seed, self.rank, index])
-        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
-        return torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
+        rng = np.random.default_rng([self.seed, 0, index])
+        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size * self.replicas)
+        mine = starts[self.replica * self.batch_size:(self.replica + 1) * self.batch_size]
+        return torch.from_numpy(self.tokens[mine[:, None] + self._offsets].astype(np.int64))
 
     def __iter__(self):
         index = self.start

@@ -108,8 +108,12 @@ class TokenDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # Called after a checkpoint is restored, so global_step already says where to continue.
         start = self.trainer.global_step * self.grad_accum
+        # Data-parallel replicas, which are not all ranks under tensor or pipeline parallelism: ranks
+        # that hold parts of one replica must see the same batch.
+        sharding = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
         windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
-                                rank=self.trainer.global_rank, start=start)
+                                replica=sharding.get("rank", 0), replicas=sharding.get("num_replicas", 1),
+                                start=start)
         # Own generators: iterating a DataLoader draws a seed from its generator, and drawing it from
         # the global one would shift every later dropout mask when a resumed run re-creates it.
         return DataLoader(windows, batch_size=None, generator=torch.Generator())

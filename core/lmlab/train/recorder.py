@@ -70,7 +70,12 @@ class RunRecorder(L.Callback):
         tokens_per_s = steps * self.tokens_per_step * trainer.world_size / max(now - self._window_start, 1e-9)
         self._window_start, self._window_step = now, step
         self.throughput.append(tokens_per_s)
-        self.train_loss = pl_module.last_loss.item()  # the one host sync per log interval
+        loss = pl_module.last_loss
+        if trainer.world_size > 1:
+            # The loss of the whole global batch, as one device training on all of it would report:
+            # every rank reaches this line at the same step, so the collective cannot deadlock.
+            loss = trainer.strategy.reduce(loss, reduce_op="mean")
+        self.train_loss = loss.item()  # the one host sync per log interval
         if trainer.is_global_zero:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             record = {"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
