@@ -14,8 +14,11 @@ VERBS = {
     "run": "trains every variant of a manifest",
     "check": "validates a manifest and prints its resolved variants; runs nothing",
     "plugins": "lists installed plugins per slot, and known ones that are not installed",
-    "compare": "tabulates the variants of a runs folder",
+    "compare": "tabulates the variants of a runs folder (seeds pooled, tested against a baseline), with plots",
     "generate": "generates text from a trained run",
+    "rerun": "trains a run again from its recorded manifest and says where the environment differs",
+    "new-plugin": "scaffolds a third-party plugin distribution (code, tests, README, example manifest)",
+    "schema": "prints the JSON Schema of manifests, with the options of every installed plugin",
 }
 
 
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _module(verb: str):
-    return importlib.import_module(f"lmlab.cli.{verb}")
+    return importlib.import_module(f"lmlab.cli.{verb.replace('-', '_')}")
 
 
 def main(argv: list[str] | None = None) -> int:
