@@ -73,15 +73,22 @@ def _same_manifest(variant, run_dir: Path) -> None:
     from lmlab.manifest import read_toml
     from lmlab.train.build import flatten
 
-    stored_path = run_dir / "manifest.toml"
-    if not stored_path.is_file():
-        return  # killed before it wrote one: nothing to disagree with
-    stored = flatten(read_toml(stored_path))
-    current = {k: v for k, v in flatten(variant.manifest).items() if v is not None and not k.startswith("_")}
-    stored.pop("model.vocab_size", None)  # filled in from the tokenizer when the run started
-    current.pop("model.vocab_size", None)
-    differing = sorted(k for k in set(stored) | set(current)
-                       if stored.get(k) != current.get(k) and not k.startswith(NOT_TRAINING))
+    current = {k: v for k, v in flatten(variant.manifest).items() if not k.startswith("_")}
+    recorded = run_dir / "provenance.json"
+    try:
+        # The resolved manifest as JSON keeps options whose value is None, which TOML cannot hold.
+        stored = flatten(json.loads(recorded.read_text())["manifest"])
+        # A key it lacks is an option that did not exist when the run was made (every option is
+        # resolved): the run used what is now that option's default, so it does not count.
+        keys = set(stored)
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        if not (run_dir / "manifest.toml").is_file():
+            return  # killed before it wrote one: nothing to disagree with
+        stored = flatten(read_toml(run_dir / "manifest.toml"))
+        current = {k: v for k, v in current.items() if v is not None}
+        keys = set(stored) | set(current)
+    keys.discard("model.vocab_size")  # filled in from the tokenizer when the run started
+    differing = sorted(k for k in keys if stored.get(k) != current.get(k) and not k.startswith(NOT_TRAINING))
     if differing:
         shown = ", ".join(f"{k}: {stored.get(k)!r} there, {current.get(k)!r} now" for k in differing[:3])
         more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
