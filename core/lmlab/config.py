@@ -32,7 +32,13 @@ class TrainOptions(Options):
     batch_size: int = Field(12, gt=0, help="sequences per micro-batch (per device)")
     grad_accum: int = Field(1, gt=0, help="micro-batches per optimizer step")
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true"] = Field(
-        "32-true", help="Lightning precision")
+        "32-true", help="Lightning precision: *-mixed autocasts the forward pass and keeps float32 weights; "
+                        "16-mixed (GPUs only) scales the loss so float16 gradients do not underflow")
+    loss_scale_init: float = Field(2.0**16, gt=0, help="16-mixed: the loss scale to start from")
+    loss_scale_growth_interval: int = Field(
+        2000, gt=0, help="16-mixed: double the loss scale after this many steps without inf/NaN gradients")
+    loss_scale_backoff: float = Field(
+        0.5, gt=0, lt=1, help="16-mixed: multiply the loss scale by this when gradients overflow (the step is skipped)")
     grad_clip: float = Field(1.0, ge=0, help="clip the global gradient norm to this (0: off)")
     warmup_steps: int = Field(100, ge=0, help="linear learning-rate warmup")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", help="decay after warmup")

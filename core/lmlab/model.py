@@ -62,6 +62,10 @@ class Block(nn.Module):
         return self.dropout(self.ffn(self.norm2(x)))
 
 
+class _Dropped(nn.Module):
+    """Holds the place of a block another pipeline stage runs, so later blocks keep their names."""
+
+
 class LanguageModel(nn.Module):
     """Token embedding → position → blocks → final norm → (tied) head; see ``lmlab.api.LanguageModel``."""
 
@@ -77,6 +81,7 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(Block(shape, norm, norm_eps, attention, ffn, i) for i in range(shape.n_layers))
         self.norm_f = build_norm(norm, shape, norm_eps)
         self.head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        self.span = (0, shape.n_layers)  # the blocks this model runs: all, or a pipeline stage's
         if tie_embeddings:
             # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
             self.head.weight = self.tok_emb.weight
@@ -108,6 +113,22 @@ class LanguageModel(nn.Module):
     def max_context(self) -> int | None:
         return self.position.max_positions
 
+    def pipeline_stage(self, start: int, stop: int) -> None:
+        """Keep only what blocks [start, stop) need; see ``lmlab.api.LanguageModel.pipeline_stage``."""
+        n = len(self.blocks)
+        if not 0 <= start < stop <= n or self.span != (0, n):
+            raise ValueError(f"a pipeline stage is a non-empty span of blocks 0..{n - 1} of a whole model; "
+                             f"got [{start}, {stop}) of a model running {list(self.span)}")
+        tied = self.head.weight is self.tok_emb.weight
+        for i in range(n):
+            if not start <= i < stop:
+                self.blocks[i] = _Dropped()
+        if start > 0 and not (stop == n and tied):
+            self.tok_emb = None
+        if stop < n:
+            self.norm_f = self.head = None
+        self.span = (start, stop)
+
     def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """idx (B, T) → logits (B, T, V)."""
         start = cache.length if cache is not None else 0
@@ -117,22 +138,31 @@ class LanguageModel(nn.Module):
                              f"0..{self.max_context - 1} (model.block_size); crop the context")
         positions = torch.arange(start, start + T, device=idx.device)
         ctx = MixerContext(position=self.position, positions=positions, start=start)
-        x = self.dropout(self.position.embed(self.tok_emb(idx), positions))  # (B, T, C)
+        first, stop = self.span
+        if first == 0:
+            x = self.dropout(self.position.embed(self.tok_emb(idx), positions))  # (B, T, C)
+        else:
+            x = idx  # a later pipeline stage: the previous stage's hidden states (B, T, C)
         states = cache.states if cache is not None else (None,) * len(self.blocks)
-        for block, state in zip(self.blocks, states):
-            x = block(x, ctx, state)
+        for i in range(first, stop):
+            x = self.blocks[i](x, ctx, states[i])
         if cache is not None:
             cache.length = start + T
+        if stop < len(self.blocks):
+            return x
         return self.head(self.norm_f(x))
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses the ffn modules stored in their last forward (e.g. MoE balance)."""
-        losses = [b.ffn.aux_loss for b in self.blocks if getattr(b.ffn, "aux_loss", None) is not None]
+        ffns = [b.ffn for b in self.blocks if hasattr(b, "ffn")]  # a pipeline stage holds only its own
+        losses = [f.aux_loss for f in ffns if getattr(f, "aux_loss", None) is not None]
         return torch.stack(losses).sum() if losses else None
 
     def new_cache(self, batch_size: int, max_len: int) -> InferenceCache:
         if self.max_context is not None and max_len > self.max_context:
             raise ValueError(f"max_len {max_len} exceeds the model's context of {self.max_context}")
+        if self.span != (0, len(self.blocks)):
+            raise ValueError("a pipeline stage cannot decode: load the checkpoint into a whole model")
         p = self.head.weight
         states = [b.attn.new_state(batch_size, max_len, p.device, p.dtype) for b in self.blocks]
         return InferenceCache(states, max_len)

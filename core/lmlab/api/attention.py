@@ -36,6 +36,25 @@ class AttentionModule(nn.Module):
     def reset_parameters(self, shape: ModelShape) -> None:
         """Initialise weights; output projections into the residual use ``shape.residual_init_std``."""
 
+    def tensor_parallel_plan(self, tp_size: int) -> dict | None:
+        """How to split this module over ``tp_size`` tensor-parallel ranks (API 1.3): a plan for
+        ``torch.distributed.tensor.parallel.parallelize_module(self, tp_mesh, plan)``, mapping
+        submodule names to ``ParallelStyle`` objects, in the manner of Megatron-LM (Shoeybi et al.
+        2019): query/key/value projections column-wise and the output projection row-wise, so each
+        rank computes ``n_heads / tp_size`` whole heads and one all-reduce sums the partial outputs.
+
+        The parallel plugin calls this when the model is built (to refuse a bad layout before any
+        process starts), and again in every process before it applies the plan. Calling it changes
+        nothing; applying the plan must leave the module computing with its local share (its heads,
+        its slice of an ``attention_bias``), taking and returning replicated ``(B, T, C)`` tensors.
+        Parameter names must not change: checkpoints hold the gathered full weights under the
+        single-device names (a fused projection whose sharding is not a plain split of its rows
+        restores that layout in its state dict, for saving and loading). Raise ``ValueError``
+        saying why when the module cannot be split ``tp_size`` ways (heads not divisible); the
+        default, None, means the module does not support tensor parallelism.
+        """
+        return None
+
 
 class Attention(Plugin):
     slot = "attention"

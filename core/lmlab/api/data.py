@@ -1,30 +1,83 @@
-"""The data slot: where the training text comes from."""
+"""The data slot: where the training text comes from, and the record type for structured documents."""
 
 import hashlib
 import json
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Union
 
 from lmlab.api.options import Field, Options
 from lmlab.api.plugin import Plugin
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a :class:`Record`'s text, and whether a prompt-masked objective scores its tokens."""
+
+    text: str
+    scored: bool = True
+
+
+@dataclass(frozen=True)
+class Record:
+    """A document in parts, so that instruction data keeps the prompt apart from the response.
+
+    ``lmlab prepare`` tokenises the segments one after another (adding nothing between them) and
+    writes, beside the tokens, a mask that is 1 on the tokens of scored segments and on the
+    end-of-document token, 0 on the others: a prompt-masked objective (``sft``) scores only where it
+    is 1, while ``causal-lm`` trains on the whole text. Filters decide on the whole :attr:`text` and
+    rewrite each segment on its own, so a replacement never crosses the prompt/response boundary.
+    """
+
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def prompt_response(cls, prompt: str, response: str) -> "Record":
+        """An unscored prompt followed by a scored response (an Alpaca-style example)."""
+        return cls((Segment(prompt, scored=False), Segment(response, scored=True)))
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+    def map_text(self, fn: Callable[[str], str]) -> "Record":
+        """The record with ``fn`` applied to the text of every segment."""
+        return Record(tuple(Segment(fn(s.text), s.scored) for s in self.segments))
+
+
+#: What a data source yields: plain text, or a Record whose segments say which parts are scored.
+Document = Union[str, Record]
+
+
+def document_text(doc: Document) -> str:
+    """The whole text of a document, whichever form it has."""
+    return doc if isinstance(doc, str) else doc.text
+
+
 class DataOptions(Options):
     """Options every data source has."""
 
-    val_fraction: float = Field(0.1, gt=0, lt=1, help="share of the corpus held out for validation (its end)")
+    val_fraction: float = Field(
+        0.1, gt=0, lt=1, help="share of the corpus held out for validation: the end of a single document, "
+                              "else every (1/val_fraction)-th document")
 
 
 class DataSource(Plugin):
-    """Yields documents; the core tokenises them once and caches the tokens.
+    """Yields documents; ``lmlab prepare`` filters, tokenises and caches them once.
 
-    The validation split is the last ``val_fraction`` of the corpus: of the characters when there
-    is one document, of the documents otherwise.
+    :meth:`documents` is consumed as a stream, once per preparation (again from the start when an
+    interrupted one resumes), so a corpus larger than memory works: yield documents one at a time,
+    as ``str`` or as :class:`Record`. Raise ``UserError`` (naming the file and line) for bad input.
+
+    The validation split is deterministic: when the corpus (after the filters) is one text document,
+    its last ``val_fraction`` of characters (nanoGPT's tiny-shakespeare split); otherwise documents
+    are assigned in corpus order so that after every n documents, floor(n · val_fraction) of them are
+    validation ones — every tenth document for 0.1, spread evenly through the corpus.
     """
 
     slot = "data"
     Options = DataOptions
 
-    def documents(self) -> Iterable[str]:
+    def documents(self) -> Iterable[Document]:
         raise NotImplementedError
 
     def fingerprint(self) -> str:
@@ -34,3 +87,11 @@ class DataSource(Plugin):
         """
         blob = json.dumps(self.options.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(f"{self.name}:{blob}".encode()).hexdigest()
+
+    def stats(self) -> dict[str, int]:
+        """Counts worth reporting once :meth:`documents` is exhausted (lines or files skipped, ...).
+
+        ``lmlab prepare`` prints them and records them in the token cache's index and in
+        ``summary.json`` (``data.source``). Default: none.
+        """
+        return {}

@@ -22,6 +22,19 @@ class FFNModule(nn.Module):
     def reset_parameters(self, shape: ModelShape) -> None:
         """Initialise weights; output projections into the residual use ``shape.residual_init_std``."""
 
+    def tensor_parallel_plan(self, tp_size: int) -> dict | None:
+        """How to split this module over ``tp_size`` tensor-parallel ranks (API 1.3): a plan for
+        ``torch.distributed.tensor.parallel.parallelize_module(self, tp_mesh, plan)`` mapping
+        submodule names to ``ParallelStyle`` objects, as in Megatron-LM (Shoeybi et al. 2019): the
+        projections into the hidden width column-wise (``ColwiseParallel``), the one back row-wise
+        (``RowwiseParallel``), so the nonlinearity runs on each rank's slice of the hidden units and
+        one all-reduce sums the partial outputs. Same contract as
+        :meth:`lmlab.api.AttentionModule.tensor_parallel_plan`: calling it changes nothing, parameter
+        names stay, ``ValueError`` when ``tp_size`` does not fit; None (the default) means the module
+        does not support tensor parallelism. A ``skip`` module is never asked.
+        """
+        return None
+
 
 class FFN(Plugin):
     slot = "ffn"

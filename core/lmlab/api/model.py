@@ -22,3 +22,17 @@ class LanguageModel(Protocol):
     @property
     def max_context(self) -> int | None:
         """The longest sequence the model can attend over (None: unbounded, e.g. a recurrent mixer)."""
+
+    def pipeline_stage(self, start: int, stop: int) -> None:
+        """Turn the model, in place, into the pipeline stage that runs blocks ``[start, stop)`` of
+        ``len(model.blocks)`` (API 1.3), for a parallel plugin that splits the model over processes.
+
+        Afterwards the stage holds only what it runs: the token embedding on the first stage
+        (``start == 0``), the final norm and head on the last (with the embedding too when the head
+        shares its weight), the position module everywhere (attention layers use it); blocks
+        outside the range are replaced by empty modules, so every remaining parameter keeps its
+        name and the stages' state dicts together make the single-device one. ``model(x)`` then
+        takes what the previous stage returned (token ids (B, T) on the first stage, hidden states
+        (B, T, C) on the others) and returns hidden states, or logits (B, T, V) on the last stage.
+        A stage cannot decode (no cache). ``ValueError`` for an empty or out-of-range span.
+        """

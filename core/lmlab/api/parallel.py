@@ -1,8 +1,20 @@
 """The parallel slot: how the run is laid out over devices and nodes (a Lightning strategy)."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from lmlab.api.errors import UserError
+from lmlab.api.layout import MemoryLayout
 from lmlab.api.plugin import Plugin
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lmlab.api.batch import Batch
+
+    #: the objective's loss: (logits (B, T, V), batch) → scalar
+    LossFn = Callable[["torch.Tensor", "Batch"], "torch.Tensor"]
 
 
 class Parallel(Plugin):
@@ -12,3 +24,113 @@ class Parallel(Plugin):
         """Keyword arguments for ``lightning.Trainer``: ``strategy``, ``accelerator``, ``devices``,
         ``num_nodes``. Called once, when the trainer is built; import Lightning here, not at the top."""
         raise NotImplementedError
+
+    def configure_model(self, model: "nn.Module", device_mesh: "DeviceMesh") -> None:
+        """Shard or split ``model`` in place over ``device_mesh``; returns nothing.
+
+        Called once in every process when the strategy from ``trainer_kwargs`` provides a device
+        mesh (Lightning's ``ModelParallelStrategy``; strategies without one never call it): after the
+        model is built and initialised on the CPU, the same in every process, and before the
+        optimizer is created, which then holds the parameters as this hook left them (DTensors for
+        ``fully_shard`` or tensor parallelism). The default does nothing.
+
+        ``device_mesh`` is the strategy's mesh with named dimensions (``ModelParallelStrategy``:
+        ``"data_parallel"``, ``"tensor_parallel"``); the core gives each index of the data-parallel
+        dimension its own slice of every global batch, and ranks that differ only in the other
+        dimensions the same slice. ``model`` is the assembled language model: ``tok_emb``,
+        ``position``, ``blocks`` (an ``nn.ModuleList`` of pre-norm transformer blocks, each with
+        ``norm1``, ``attn``, ``norm2`` and ``ffn``), ``norm_f`` and ``head`` (whose weight is
+        ``tok_emb.weight`` under ``model.tie_embeddings``). Parameter names must stay those of the
+        plain model: checkpoints hold the gathered full state dict under those names, which
+        ``lmlab generate`` loads into a single-device model.
+        """
+
+    #: True for a layout that runs the model's forward and backward passes itself, as a pipeline
+    #: schedule does (it interleaves micro-batches' forward and backward passes across ranks, so no
+    #: single loss tensor exists to call ``backward()`` on). The core then calls
+    #: :meth:`forward_backward` and :meth:`forward_loss` instead of calling the model. (API 1.3)
+    runs_forward_backward: ClassVar[bool] = False
+
+    def forward_backward(self, model: "nn.Module", batch: "Batch", loss_fn: "LossFn",
+                         grad_scale: float) -> "torch.Tensor":
+        """Forward and backward of one training micro-batch, for a plugin that sets
+        ``runs_forward_backward``; called in every process, at the point where the core would call
+        ``loss.backward()`` (after Lightning zeroed the gradients for a new step), with the same
+        ``batch`` in every process of one data-parallel replica.
+
+        Accumulate into the parameters' ``.grad`` the gradients of ``loss_fn(logits, batch) *
+        grad_scale`` (``grad_scale`` is 1 / ``train.grad_accum``, times the loss scale under
+        ``16-mixed``; the call runs under the precision's autocast); return the loss itself, unscaled
+        and detached, as a 0-dim float tensor with the same value in every process (the core logs
+        it, averaged over processes, and hands it to ``lmlab_train_batch_end``). ``loss_fn`` is the
+        objective's: a mean over the targets that are not ``IGNORE_INDEX``, so a plugin that splits
+        the batch weights each part by its counted targets to get the whole batch's loss.
+        """
+        raise NotImplementedError
+
+    def forward_loss(self, model: "nn.Module", batch: "Batch", loss_fn: "LossFn") -> "torch.Tensor":
+        """The loss of one evaluation batch, without gradients, for a plugin that sets
+        ``runs_forward_backward``: ``loss_fn(logits, batch)`` detached, the same in every process."""
+        raise NotImplementedError
+
+    def clip_grad_norm(self, parameters: list["torch.Tensor"], max_norm: float) -> "torch.Tensor | None":
+        """Scale the gradients of ``parameters`` (this process's, as the optimizer holds them) so
+        that the norm of the whole model's gradient is at most ``max_norm``; return that norm before
+        clipping. Called before each optimizer step when ``train.grad_clip`` is set. (API 1.3)
+
+        None, the default, lets the core use ``torch.nn.utils.clip_grad_norm_``, which is right when
+        every process holds whole gradients (DDP) or every parameter is a DTensor of one mesh
+        (FSDP). A layout that mixes sharded and replicated parameters (tensor parallelism) or
+        spreads the model over processes (a pipeline) computes the global norm itself.
+        """
+        return None
+
+    def memory_layout(self, model: "nn.Module", world_size: int | None, precision: str) -> MemoryLayout:
+        """How this strategy lays out the training state of ``model`` over ``world_size`` processes,
+        for ``lmlab plan``: a :class:`lmlab.api.layout.MemoryLayout` of sharding fractions, dtypes
+        and the collectives of one step. The core multiplies them with what it measured.
+
+        ``model`` is the assembled language model (as ``configure_model`` sees it) with parameters
+        that hold no memory (fake tensors): read its structure and ``numel()``s, nothing else. ``world_size`` is the number of processes to
+        plan for (``lmlab plan --devices``); None means what this plugin's options say. ``precision``
+        is ``[train] precision`` (``"32-true"``, ``"bf16-mixed"``, ...). Raise a ``UserError`` naming
+        the option for a world size the strategy cannot use. The default says the plugin cannot be
+        planned.
+        """
+        raise UserError(f"parallel plugin {self.name!r} does not describe its memory layout "
+                        "(Parallel.memory_layout), so lmlab plan cannot plan it", key="parallel.use")
+
+
+def resolve_devices(accelerator: str, devices: int | str) -> tuple[str, int]:
+    """The concrete device type (``"cuda"``, ``"mps"`` or ``"cpu"``) and the number of processes
+    per node for a parallel plugin's ``accelerator`` and ``devices`` options, as Lightning would
+    pick them; a ``UserError`` naming ``parallel.accelerator`` or ``parallel.devices`` when this
+    machine lacks them.
+
+    ``devices = "auto"`` means every visible GPU, or one process on the CPU. On the CPU any number
+    of processes is allowed (Lightning oversubscribes the cores, which tests rely on); on GPUs the
+    count is checked against ``torch.cuda.device_count()``, which honours ``CUDA_VISIBLE_DEVICES``.
+    """
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    has_mps = torch.backends.mps.is_available()
+    if accelerator == "auto":
+        kind = "cuda" if has_cuda else "mps" if has_mps else "cpu"
+    elif accelerator == "gpu" and (has_cuda or has_mps):
+        kind = "cuda" if has_cuda else "mps"
+    elif accelerator == "cpu" or (accelerator == "cuda" and has_cuda) or (accelerator == "mps" and has_mps):
+        kind = accelerator
+    else:
+        raise UserError(f"accelerator {accelerator!r} is not available on this machine (use \"auto\" or "
+                        "\"cpu\")", key="parallel.accelerator")
+    if kind == "cpu":
+        return kind, 1 if devices == "auto" else int(devices)
+    available = torch.cuda.device_count() if kind == "cuda" else 1
+    if devices == "auto":
+        return kind, available
+    if int(devices) > available:
+        raise UserError(f"{devices} devices per node requested, but this machine has {available} {kind} "
+                        f"device(s){' visible (CUDA_VISIBLE_DEVICES)' if kind == 'cuda' else ''}",
+                        key="parallel.devices")
+    return kind, int(devices)

@@ -1,7 +1,7 @@
 """The tokenizer slot: text ↔ token ids."""
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from lmlab.api.plugin import Plugin
 
@@ -9,15 +9,28 @@ from lmlab.api.plugin import Plugin
 class Tokenizer(Plugin):
     """A tokenizer is fitted once on the run's training split, then saved next to the token cache.
 
-    The core calls :meth:`fit` (training text) or :meth:`load` (a folder written by :meth:`save`)
-    before any :meth:`encode`. Fitting must be deterministic: the token cache is keyed on the
-    data and the tokenizer's options, not on the fitted state.
+    The core calls :meth:`fit_documents` (the training documents) or :meth:`load` (a folder written
+    by :meth:`save`) before any :meth:`encode`. Fitting must be deterministic: the token cache is
+    keyed on the data and the tokenizer's options, not on the fitted state. ``encode`` runs in worker
+    processes, each with its own instance restored by :meth:`load`.
     """
 
     slot = "tokenizer"
 
     def fit(self, text: str, workdir: Path) -> None:
         """Learn the vocabulary from ``text``; ``workdir`` is scratch space. Default: nothing to learn."""
+
+    def fit_documents(self, documents: Iterable[str], workdir: Path) -> None:
+        """Learn the vocabulary from the training split's documents, streamed in corpus order.
+
+        ``lmlab prepare`` calls this once, after the filters and before tokenising in worker
+        processes. The default joins the documents with newlines and calls :meth:`fit`, which holds
+        the whole training text in memory; a tokenizer that can learn from a stream, or from a sample
+        of a large corpus, overrides it. A tokenizer that does not override :meth:`fit` has nothing to
+        learn, and the documents are not even read.
+        """
+        if type(self).fit is not Tokenizer.fit:
+            self.fit("\n".join(documents), workdir)
 
     def encode(self, text: str) -> Sequence[int]:
         raise NotImplementedError

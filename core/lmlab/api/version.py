@@ -9,6 +9,20 @@ plugin whose range excludes this version. Bump the minor version when the API ga
 
 1.2: ``RunInfo`` carries ``variant`` (the seedless name) and ``environment``; ``Tracker.closing_note``
      lets a tracker say something after a sweep (how to sync offline runs).
+
+1.3: ``Parallel.configure_model(model, device_mesh)`` shards or splits the model under a strategy with
+     a device mesh (Lightning's ``ModelParallelStrategy``: FSDP2, tensor/pipeline parallelism);
+     ``lmlab.api.parallel.resolve_devices`` checks ``accelerator``/``devices`` against the machine.
+     ``Filter``, the base class of the filter slot (per-document ``keep``/``transform`` in worker
+     processes, corpus-level ``signature``/``admit``); data sources may yield ``Record`` (``Segment``s
+     marked scored or not, for prompt-masked objectives) as well as ``str``, and report ``stats()``;
+     ``Tokenizer.fit_documents`` learns from the training documents as a stream.
+     ``AttentionModule.tensor_parallel_plan`` / ``FFNModule.tensor_parallel_plan`` (Megatron-style split,
+     None = unsupported); ``Parallel.runs_forward_backward`` with ``forward_backward``/``forward_loss``
+     (a layout that runs the passes itself: pipeline schedules); ``Parallel.clip_grad_norm`` (global-norm
+     clipping for sharded or split models); ``LanguageModel.pipeline_stage(start, stop)``;
+     ``Parallel.memory_layout`` (how a layout divides parameters, gradients and optimizer state, for
+     ``lmlab plan``).
 """
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"

@@ -19,6 +19,8 @@ VERBS = {
     "rerun": "trains a run again from its recorded manifest and says where the environment differs",
     "new-plugin": "scaffolds a third-party plugin distribution (code, tests, README, example manifest)",
     "schema": "prints the JSON Schema of manifests, with the options of every installed plugin",
+    "plan": "prints memory per device and communication per step of each variant, before running it",
+    "prepare": "filters and tokenises each variant's data into sharded token files in the cache",
 }
 
 

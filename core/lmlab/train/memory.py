@@ -15,13 +15,28 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         seen = set()
 
         def pack(t: torch.Tensor):
-            key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in seen:
-                seen.add(key)
-                self.total += t.untyped_storage().nbytes()
+            for storage in _storages(t):
+                key = (storage.data_ptr(), storage.device)
+                if key not in seen:
+                    seen.add(key)
+                    self.total += storage.nbytes()
             return t
 
         super().__init__(pack, lambda t: t)
+
+
+def _storages(t: torch.Tensor):
+    """The storages behind ``t``: a wrapper subclass (a DTensor under tensor parallelism) has none of
+    its own, only those of the tensors it wraps (its local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+    else:
+        yield t.untyped_storage()
 
 
 def state_bytes(model: torch.nn.Module, optimizers) -> int:

@@ -15,9 +15,15 @@ _PLAIN_ATTRIBUTES = frozenset({"_current_fx_name", "_param_requires_grad_state",
 
 
 class LMModule(L.LightningModule):
-    def __init__(self, model, objective, optimizer, train_cfg: dict, hooks, compile: bool = False):
+    def __init__(self, model, objective, optimizer, train_cfg: dict, hooks, compile: bool = False,
+                 parallel=None):
         super().__init__()
         self.model = model
+        self.parallel = parallel  # the parallel plugin, asked to shard the model under a device mesh
+        # A pipeline schedule runs forward and backward itself (Parallel.forward_backward).
+        self._plugin_steps = bool(getattr(parallel, "runs_forward_backward", False))
+        self._pending = None  # the batch whose forward and backward wait for backward()
+        self._parallelised = False
         # The training step runs the compiled model; evaluation and decoding run the eager one (their
         # shapes vary, and each new shape would cost a recompilation). Kept off the module registry
         # so parameter names and checkpoints stay those of the eager model.
@@ -41,11 +47,30 @@ class LMModule(L.LightningModule):
         else:
             super().__setattr__(name, value)
 
+    def configure_model(self) -> None:
+        # Lightning calls this in every process before the optimizer is built, and again for each
+        # later fit/validate; a strategy that shards or splits the model provides a device mesh.
+        if self.parallel is None or self._parallelised or self.device_mesh is None:
+            return
+        # Sharding replaces parameters with new (DTensor) ones; what plugins marked on the old ones
+        # (``_no_weight_decay``) must reach configure_optimizers all the same.
+        marks = {name: dict(p.__dict__) for name, p in self.model.named_parameters() if p.__dict__}
+        self.parallel.configure_model(self.model, self.device_mesh)
+        for name, p in self.model.named_parameters():
+            for key, value in marks.get(name, {}).items():
+                setattr(p, key, value)
+        self._parallelised = True
+
     def forward(self, idx, cache=None):
         return self.model(idx, cache=cache)
 
     def training_step(self, windows: torch.Tensor, batch_idx: int) -> torch.Tensor:
         batch = self.objective.make_batch(windows)
+        if self._plugin_steps:
+            # Lightning zeroes the gradients between training_step and backward, so the plugin's
+            # forward-and-backward waits for backward(); what is returned here only stands in.
+            self._pending = batch
+            return torch.zeros((), device=windows.device)
         if self.activation_bytes is None:  # once: what autograd keeps for backward, per micro-batch
             saved = SavedBytes()
             with saved:
@@ -57,13 +82,39 @@ class LMModule(L.LightningModule):
         self.last_aux = out.aux.detach() if out.aux is not None else None
         return out.total
 
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        if self._pending is None:
+            return super().backward(loss, *args, **kwargs)
+        batch, self._pending = self._pending, None
+        precision = self.trainer.precision_plugin
+        scale = 1.0 / self.trainer.accumulate_grad_batches
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None:  # 16-mixed: what Lightning would have multiplied the loss by
+            scale *= scaler.get_scale()
+        # The forward passes happen here, outside training_step's autocast: enter it again.
+        with precision.forward_context():
+            self.last_loss = self.parallel.forward_backward(self.model, batch, self.objective.loss, scale)
+        self.last_aux = None
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # A layout that spreads or shards the model computes the global norm itself.
+        if gradient_clip_val and self.parallel is not None and gradient_clip_algorithm in (None, "norm"):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.parallel.clip_grad_norm(params, float(gradient_clip_val)) is not None:
+                return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
     def on_validation_epoch_start(self) -> None:
         self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._val_count = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def validation_step(self, windows: torch.Tensor, batch_idx: int) -> None:
         batch = self.objective.make_batch(windows)
-        loss = compute_loss(self.model, self.objective, batch).loss
+        if self._plugin_steps:
+            loss = self.parallel.forward_loss(self.model, batch, self.objective.loss)
+        else:
+            loss = compute_loss(self.model, self.objective, batch).loss
         n = (batch.targets != IGNORE_INDEX).sum()
         self._val_sum += loss.double() * n
         self._val_count += n

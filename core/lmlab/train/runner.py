@@ -66,7 +66,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     eval_bs = cfg["eval_batch_size"] or 4 * cfg["batch_size"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg["batch_size"], eval_bs, cfg["eval_steps"],
                                  variant.manifest["seed"], cfg["grad_accum"])
-    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"])
+    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"],
+                      parallel=plugins["parallel"])
     recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
                            None, hooks, resume_step=resume_step)
     trainer = _trainer(cfg, run_dir, recorder, parallel)
@@ -74,7 +75,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_toml(run_dir / "manifest.toml", _strip_private(resolved))
-        write_json(run_dir / "provenance.json", {"plugins": used, "environment": environment})
+        write_json(run_dir / "provenance.json", {"plugins": used, "environment": environment,
+                                                  "manifest": _strip_private(variant.manifest)})
         (run_dir / "error.log").unlink(missing_ok=True)  # from an earlier, failed attempt
         (run_dir / "tokenizer").mkdir(exist_ok=True)
         tokens.tokenizer.save(run_dir / "tokenizer")
@@ -85,6 +87,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
                               plugins=used, resume=ckpt_path is not None, variant=variant.group,
                               environment=environment))
     summary = {"status": "failed", "steps": resume_step or 0}
+    plain = None
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         if trainer.interrupted:
@@ -94,6 +97,10 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)
         recorder.final_validation(trainer, module.val_loss)
         summary = _completed(trainer, module, recorder, compiled=cfg["compile"])
+        # Sharded or split by the parallel plugin: give the main process a plain copy (the closing
+        # sample runs there alone, and a sharded forward would wait for the others forever; the
+        # parameter count is the whole model's, not one shard's). Every process takes part.
+        plain = _gathered(trainer, module, lambda: build.build_model(variant, shape, plugins), main)
     except (KeyboardInterrupt, SystemExit):
         summary = {"status": "interrupted", "steps": trainer.global_step}
         raise
@@ -104,12 +111,15 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         raise
     finally:
         recorder.close()
-        summary.update(wall_s=time.perf_counter() - started, params=model.num_params(),
-                       trainable_params=model.num_params(trainable_only=True), peak_mem_mb=_peak_mem_mb(),
-                       plugins=used, environment=environment)
+        counted = plain if plain is not None else model
+        summary.update(wall_s=time.perf_counter() - started, params=counted.num_params(),
+                       trainable_params=counted.num_params(trainable_only=True), peak_mem_mb=_peak_mem_mb(),
+                       plugins=used, environment=environment, **tokens.report())
         if main:
             write_json(run_dir / "summary.json", summary)
             tracker.finish(summary, summary["status"])
+    if plain is not None:
+        module.model = plain
     if main:
         hooks.call("lmlab_fit_end", summary=summary)
     return RunResult(summary, module, tokens, plugins, main)
@@ -121,11 +131,60 @@ def _trainer(cfg: dict, run_dir: Path, recorder, parallel: dict):
     # Lightning's own logger, checkpointing, progress bar and summary are off: the recorder does
     # those jobs, cheaply per step and into the run folder's format.
     return L.Trainer(
-        max_steps=cfg["max_steps"], precision=cfg["precision"], accumulate_grad_batches=cfg["grad_accum"],
+        max_steps=cfg["max_steps"], accumulate_grad_batches=cfg["grad_accum"],
         gradient_clip_val=cfg["grad_clip"] or None, val_check_interval=cfg["eval_every"] * cfg["grad_accum"],
         check_val_every_n_epoch=None, limit_val_batches=cfg["eval_steps"], num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(run_dir), callbacks=[recorder], **parallel)
+        default_root_dir=str(run_dir), callbacks=[recorder], **_precision(cfg, parallel), **parallel)
+
+
+def _precision(cfg: dict, parallel: dict) -> dict:
+    """``precision`` for the Trainer; under 16-mixed, a precision plugin whose loss scaler takes the
+    ``train.loss_scale_*`` options instead."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    from lmlab.api.parallel import resolve_devices
+    from lmlab.errors import UserError
+
+    strategy, accelerator = parallel.get("strategy"), parallel.get("accelerator", "auto")
+    if cfg["precision"] != "16-mixed" or isinstance(strategy, DeepSpeedStrategy):  # DeepSpeed scales by its config
+        return {"precision": cfg["precision"]}
+    device = resolve_devices(accelerator, 1)[0] if isinstance(accelerator, str) else "cuda"
+    if device == "cpu":  # Lightning would quietly train bf16-mixed instead
+        raise UserError("16-mixed (float16 autocast with loss scaling) needs a GPU; on the CPU use bf16-mixed",
+                        key="train.precision")
+    scaling = {"init_scale": cfg["loss_scale_init"], "growth_interval": cfg["loss_scale_growth_interval"],
+               "backoff_factor": cfg["loss_scale_backoff"]}
+    if isinstance(strategy, FSDPStrategy):  # FSDP1's flat shards: the inf check must be all-reduced
+        from lightning.pytorch.plugins.precision import FSDPPrecision
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        plugin = FSDPPrecision("16-mixed")
+        # Set afterwards: Lightning 2.6's constructor reads self.precision before setting it and
+        # refuses any scaler passed in.
+        plugin.scaler = ShardedGradScaler(device, **scaling)
+        return {"plugins": [plugin]}
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # Also under ModelParallelStrategy (FSDP2), which refuses precision="16-mixed" by name: gradients
+    # there are DTensors, whose inf check DTensor all-reduces over the mesh, so every rank skips an
+    # overflowing step together with the plain GradScaler.
+    return {"plugins": [MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, **scaling))]}
+
+
+def _gathered(trainer, module, rebuild, main: bool):
+    """None when the model is whole in every process; otherwise (``Parallel.configure_model`` sharded
+    or split it) every process takes part in gathering the full weights through the strategy, and
+    the main one gets them in a fresh single-device model (what ``lmlab generate`` would load)."""
+    if not module._parallelised:
+        return None
+    device = next(module.model.parameters()).device
+    state = trainer.strategy.lightning_module_state_dict()  # a collective: the full state on rank 0
+    if not main:
+        return None
+    plain = rebuild()
+    plain.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    return plain.to(device)
 
 
 def _completed(trainer, module, recorder, compiled: bool) -> dict:

@@ -8,6 +8,12 @@ of ``n_heads`` and makes decoding memory-bound work cheaper. Grouped-query atten
 between: ``n_kv_heads`` key/value heads, each shared by a group of ``n_heads / n_kv_heads`` consecutive
 query heads. MHA is GQA with ``n_kv_heads = n_heads``; MQA is GQA with ``n_kv_heads = 1``, so all three
 run the same code below.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): :meth:`CausalSelfAttention.tensor_parallel_plan`
+splits the heads over the ranks, the fused query/key/value projection column-wise section by section
+(``lmlab_attention.tensor_parallel``) and the output projection row-wise; each rank then computes
+``n_heads / t`` query heads with their ``n_kv_heads / t`` key/value heads, and its slice of a position
+scheme's per-head bias.
 """
 
 import torch
@@ -30,11 +36,14 @@ class CausalSelfAttention(AttentionModule):
         self.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
         # No dropout after out_proj: the model applies residual dropout to every mixer's output.
         self.dropout = shape.dropout
+        # Tensor parallelism: this rank computes heads [rank·H/size, (rank+1)·H/size) (and the matching
+        # key/value heads); 1 and 0 without it.
+        self.tp_size, self.tp_rank = 1, 0
         self.reset_parameters(shape)
 
     def forward(self, x: torch.Tensor, ctx: MixerContext, state: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, Hkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
+        H, Hkv, hs = self.n_heads // self.tp_size, self.n_kv_heads // self.tp_size, self.head_dim  # this rank's
         q, k, v = self.qkv_proj(x).split([H * hs, Hkv * hs, Hkv * hs], dim=-1)
         q = q.view(B, T, H, hs).transpose(1, 2)                                # (B, H, T, hs)
         k = k.view(B, T, Hkv, hs).transpose(1, 2)                              # (B, Hkv, T, hs)
@@ -63,6 +72,9 @@ class CausalSelfAttention(AttentionModule):
             # Cached keys hold consecutive positions ending at the last query's.
             k_positions = ctx.positions if S == T else ctx.positions[0] - ctx.start + torch.arange(S, device=device)
             bias = ctx.position.attention_bias(ctx.positions, k_positions)         # (H, T, S)
+            if self.tp_size > 1:  # this rank's heads only
+                local = self.n_heads // self.tp_size
+                bias = bias[self.tp_rank * local:(self.tp_rank + 1) * local]
         if T == 1:  # one new token sees everything cached before it
             return (None if bias is None else bias.to(dtype)), False
         if bias is None and S == T:
@@ -73,7 +85,23 @@ class CausalSelfAttention(AttentionModule):
         return bias.to(dtype).masked_fill(~causal, float("-inf")), False
 
     def new_state(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
-        return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, device=device, dtype=dtype)
+        return KVCache(batch_size, self.n_kv_heads // self.tp_size, max_len, self.head_dim, device=device,
+                       dtype=dtype)
+
+    def tensor_parallel_plan(self, tp_size: int) -> dict:
+        if self.n_heads % tp_size or self.n_kv_heads % tp_size:
+            raise ValueError(f"{tp_size} tensor-parallel ranks must each compute whole heads, so their number must "
+                             f"divide the {self.n_heads} query heads and the {self.n_kv_heads} key/value head(s)")
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        from lmlab_attention.tensor_parallel import FusedColwiseParallel
+
+        inner, kv_inner = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {"qkv_proj": FusedColwiseParallel([inner, kv_inner, kv_inner], on_apply=self._take_local_heads),
+                "out_proj": RowwiseParallel()}
+
+    def _take_local_heads(self, mesh) -> None:
+        self.tp_size, self.tp_rank = mesh.size(), mesh.get_local_rank()
 
     def reset_parameters(self, shape: ModelShape) -> None:
         nn.init.normal_(self.qkv_proj.weight, mean=0.0, std=shape.init_std)

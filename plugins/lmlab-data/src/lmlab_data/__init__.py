@@ -1,1 +1,1 @@
-"""Data sources for lmlab (entry point ``text-file``)."""
+"""Data sources for lmlab (entry points ``text-file``, ``jsonl`` and ``alpaca``)."""

@@ -1,40 +1,62 @@
-"""One text file as one document — nanoGPT's tiny-shakespeare setup.
+"""Plain text files as documents: one document per file, or per separator within each file.
 
-The validation split is the end of the file (``val_fraction`` of its characters, see
-``lmlab.api.DataSource``). The fingerprint hashes the file's bytes, so editing the file
-invalidates the token cache even when its path and size stay the same.
+One file alone is nanoGPT's tiny-shakespeare setup: a single document whose last ``val_fraction`` of
+characters is the validation split. Several files (a list, or glob patterns such as
+``src/**/*.py``) are several documents, taken in sorted path order; with ``separator`` each file is
+split further, as a corpus of ``<|endoftext|>``-separated documents is. Files are streamed: with a
+separator, a file larger than memory works (each document must fit). The fingerprint hashes the file
+names and bytes, so editing a file invalidates the token cache.
 """
 
-import hashlib
 from typing import Iterator
 
-from pydantic import FilePath
-
-from lmlab.api import DataOptions, DataSource, Field, UserError
-
-CHUNK = 1 << 20  # hash in 1 MiB pieces: a corpus need not fit in memory twice
+from lmlab.api import DataSource, Field
+from lmlab_data.files import CHUNK, READ_ERRORS, FilesOptions, fingerprint, open_text, read_error
 
 
-class TextFileOptions(DataOptions):
-    # FilePath: a missing file (or a folder) is a validation error on this key. The core resolves
-    # a relative path against the manifest's folder before validation.
-    path: FilePath = Field(..., help="the text file; relative paths are relative to the manifest")
-    encoding: str = Field("utf-8", help="the file's text encoding")
+class TextFileOptions(FilesOptions):
+    separator: str = Field("", help="split each file into documents at this string (e.g. \"<|endoftext|>\"); "
+                                    "empty: one document per file")
 
 
 class TextFile(DataSource):
     Options = TextFileOptions
 
+    def __init__(self, options: TextFileOptions | None = None):
+        super().__init__(options)
+        self.skipped = 0
+
     def documents(self) -> Iterator[str]:
-        try:
-            yield self.options.path.read_text(encoding=self.options.encoding)
-        except (UnicodeDecodeError, LookupError) as e:  # bad bytes, or an unknown encoding name
-            raise UserError(f"cannot read {self.options.path} as {self.options.encoding}: {e}",
-                            key="data.encoding") from e
+        self.skipped = 0
+        o = self.options
+        for path in o.files():
+            try:
+                with open_text(path, o.encoding) as f:
+                    if o.separator:
+                        # A failure partway keeps the documents before it (already yielded).
+                        yield from _split(f, o.separator)
+                    elif text := f.read():  # an empty file is no document
+                        yield text
+            except READ_ERRORS as exc:
+                if o.bad_file == "fail":
+                    raise read_error(path, o.encoding, exc) from exc
+                self.skipped += 1
 
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(super().fingerprint().encode())  # the options
-        with open(self.options.path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
+        return fingerprint(self.options, super().fingerprint())
+
+    def stats(self) -> dict[str, int]:
+        return {"files_skipped": self.skipped} if self.skipped else {}
+
+
+def _split(f, separator: str) -> Iterator[str]:
+    """The pieces of a text stream between separators, read a chunk at a time; blank ones dropped."""
+    rest = ""
+    while chunk := f.read(CHUNK):
+        pieces = (rest + chunk).split(separator)
+        rest = pieces.pop()
+        for piece in pieces:
+            if piece.strip():
+                yield piece
+    if rest.strip():
+        yield rest

@@ -34,6 +34,16 @@ class MLP(FFNModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))  # (B, T, C) → (B, T, hidden) → (B, T, C)
 
+    def tensor_parallel_plan(self, tp_size: int) -> dict:
+        # Megatron-LM (Shoeybi et al. 2019): each rank holds a slice of the hidden units, so the
+        # elementwise activation needs no communication; one all-reduce after c_proj.
+        hidden = self.c_fc.out_features
+        if hidden % tp_size:  # an uneven split would need the shard sizes passed along; refuse it instead
+            raise ValueError(f"{tp_size} tensor-parallel ranks must split the {hidden} hidden units evenly")
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+
     def reset_parameters(self, shape: ModelShape) -> None:
         nn.init.normal_(self.c_fc.weight, mean=0.0, std=shape.init_std)
         nn.init.normal_(self.c_proj.weight, mean=0.0, std=shape.residual_init_std)

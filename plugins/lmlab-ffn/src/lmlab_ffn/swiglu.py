@@ -34,6 +34,16 @@ class SwiGLU(FFNModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C) → (B, T, hidden) → (B, T, C)
 
+    def tensor_parallel_plan(self, tp_size: int) -> dict:
+        # Megatron-LM (Shoeybi et al. 2019): gate and up split alike, so each rank gates its own
+        # slice of the hidden units; one all-reduce after down_proj.
+        hidden = self.up_proj.out_features
+        if hidden % tp_size:  # an uneven split would need the shard sizes passed along; refuse it instead
+            raise ValueError(f"{tp_size} tensor-parallel ranks must split the {hidden} hidden units evenly")
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+
     def reset_parameters(self, shape: ModelShape) -> None:
         nn.init.normal_(self.gate_proj.weight, mean=0.0, std=shape.init_std)
         nn.init.normal_(self.up_proj.weight, mean=0.0, std=shape.init_std)

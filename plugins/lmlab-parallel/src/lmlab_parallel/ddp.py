@@ -61,3 +61,25 @@ class DistributedDataParallel(Parallel):
         )
         return {"strategy": strategy, "accelerator": o.accelerator, "devices": o.devices,
                 "num_nodes": o.num_nodes}
+
+    def memory_layout(self, model, world_size: int | None, precision: str):
+        """A full replica per device. Gradients live in DDP's all-reduce buckets, which persist between
+        steps: as views of them (``gradient_as_bucket_view``) or beside them, a second copy. One
+        all-reduce of all gradients per optimizer step (Lightning skips it on accumulating micro-batches)."""
+        from lmlab.api.layout import Collective, MemoryLayout  # API 1.4; here so older cores still load the plugin
+
+        o = self.options
+        n = world_size or _devices_per_node(o.devices) * o.num_nodes
+        views = o.gradient_as_bucket_view
+        all_reduce = Collective("all-reduce", "gradients", n, note="bucketed, overlapped with the backward pass")
+        return MemoryLayout(devices=n, persistent_grads=views, grad_buffers=0.0 if views else 1.0,
+                            collectives=(all_reduce,) if n > 1 else ())
+
+
+def _devices_per_node(devices: int | str) -> int:
+    """``devices`` as a number; ``auto`` counts this machine's GPUs (one process on a CPU-only one)."""
+    if devices != "auto":
+        return int(devices)
+    import torch
+
+    return torch.cuda.device_count() or 1

@@ -35,6 +35,12 @@ class SingleDevice(Parallel):
         return {"strategy": "auto", "accelerator": accelerator, "devices": [self.options.device],
                 "num_nodes": 1}
 
+    def memory_layout(self, model, world_size: int | None, precision: str):
+        """Everything on the one device; nothing to communicate."""
+        from lmlab.api.layout import MemoryLayout  # API 1.4; imported here so older cores still load the plugin
+
+        return MemoryLayout(devices=1)
+
 
 def _resolve(accelerator: str) -> str:
     """The concrete device type for an accelerator name; a UserError when it is not available."""

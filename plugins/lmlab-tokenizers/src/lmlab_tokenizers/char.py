@@ -9,7 +9,7 @@ text encodes in tens of milliseconds instead of a Python loop over characters.
 
 import json
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -44,6 +44,14 @@ class CharTokenizer(Tokenizer):
 
     def fit(self, text: str, workdir: Path) -> None:
         self.codes = np.unique(code_points(text))
+
+    def fit_documents(self, documents: Iterable[str], workdir: Path) -> None:
+        # The union of each document's characters: the same vocabulary as fit() on their
+        # concatenation, without holding the corpus in memory.
+        seen: set[int] = set()
+        for doc in documents:
+            seen.update(np.unique(code_points(doc)).tolist())
+        self.codes = np.array(sorted(seen), dtype=np.uint32)
 
     @property
     def chars(self) -> list[str]:

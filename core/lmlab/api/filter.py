@@ -1,0 +1,61 @@
+"""The filter slot (many-valued): data hygiene applied while ``lmlab prepare`` reads the corpus."""
+
+from typing import Any, ClassVar
+
+from lmlab.api.data import Document, Record, document_text
+from lmlab.api.plugin import Plugin
+
+
+class Filter(Plugin):
+    """Drops or rewrites documents before they are split, fitted on and tokenised.
+
+    ``use = ["quality", "pii-scrub", "minhash-dedup"]`` applies the filters in that order to every
+    document. Each filter is instantiated in every worker process of the preparation, so its
+    per-document methods must depend only on the document and the options:
+
+    - :meth:`keep` decides on the whole text (of a :class:`~lmlab.api.Record` too): False drops it;
+    - :meth:`transform` rewrites text, applied to each segment of a Record on its own;
+    - :meth:`apply` combines the two; override it only to treat Records differently.
+
+    A *corpus-level* filter (near-duplicate removal) compares documents with one another, which no
+    single worker can. It sets ``corpus_level = True``: :meth:`signature` then runs in the workers on
+    each document that reaches the filter, and :meth:`admit` in the main process on those signatures,
+    once per document and in corpus order, returning False to drop the document. The instance that
+    admits keeps whatever state it needs, and is pickled at every checkpoint of the preparation (an
+    interrupted one resumes from that copy): keep its state picklable.
+
+    :meth:`count` adds to counters reported beside the filter's documents and characters kept and
+    dropped (``summary.json``'s ``data_filters``): which rule dropped a document, what was masked.
+    """
+
+    slot = "filter"
+    corpus_level: ClassVar[bool] = False
+
+    def keep(self, text: str) -> bool:
+        """Whether to keep a document, from its whole text. Default: always."""
+        return True
+
+    def transform(self, text: str) -> str:
+        """The text rewritten (a segment of a Record, or a whole plain document). Default: unchanged."""
+        return text
+
+    def apply(self, doc: Document) -> Document | None:
+        """The document, rewritten, or None to drop it. Runs in a worker process."""
+        if not self.keep(document_text(doc)):
+            return None
+        return doc.map_text(self.transform) if isinstance(doc, Record) else self.transform(doc)
+
+    def signature(self, text: str) -> Any:
+        """Corpus-level filters: what :meth:`admit` needs of a document (a hash, a MinHash). Runs in
+        a worker; the value travels to the main process, so keep it small and picklable."""
+        return None
+
+    def admit(self, signature: Any) -> bool:
+        """Corpus-level filters: whether to keep the document with this signature, given every
+        document admitted before it. Runs in the main process, in corpus order."""
+        return True
+
+    def count(self, what: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``what`` of this filter's report."""
+        counts = self.__dict__.setdefault("_counts", {})
+        counts[what] = counts.get(what, 0) + n

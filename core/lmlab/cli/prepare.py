@@ -1,0 +1,42 @@
+"""``lmlab prepare MANIFEST``: filters and tokenises each variant's data into the token cache.
+
+What ``lmlab run`` does first when a variant's data is not prepared yet; running it ahead lets a
+cluster job start training at once, and ``--workers`` set how many processes share the work. Variants
+that share their data, filters and tokenizer share one cache entry; an entry already there is only
+reported. An interrupted preparation continues where it stopped when run again.
+"""
+
+from lmlab import manifest
+from lmlab.errors import UserError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("manifest", help="path to a TOML manifest")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a manifest value (repeatable), e.g. --set data.val_fraction=0.05")
+    parser.add_argument("--workers", "-w", type=int, metavar="N",
+                        help="processes that filter and tokenise, this one included (default: one per CPU)")
+    parser.add_argument("--shard-mb", type=float, metavar="MB",
+                        help="text per token shard, in MB (default 16); a resumed preparation keeps its own")
+
+
+def main(args) -> int:
+    if args.workers is not None and args.workers < 1:
+        raise UserError("must be at least 1", key="--workers")
+    if args.shard_mb is not None and args.shard_mb <= 0:
+        raise UserError("must be positive", key="--shard-mb")
+    variants = manifest.load(args.manifest, args.overrides)
+
+    from lmlab.prepare import pipeline
+
+    done: dict[str, list[str]] = {}
+    for variant in variants:
+        key = pipeline.cache_key(variant)
+        if key in done:
+            done[key].append(variant.name)
+            continue
+        done[key] = [variant.name]
+        cached = (pipeline.cache_root() / "tokens" / key / "index.json").is_file()
+        folder = pipeline.prepare(variant, workers=args.workers, shard_mb=args.shard_mb, key=key)
+        print(f"{variant.name}: {folder}{' (already prepared)' if cached else ''}")
+    return 0

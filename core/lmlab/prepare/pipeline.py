@@ -1,0 +1,106 @@
+"""Preparing a corpus: filtered, split, tokenised in parallel, sharded, cached, resumable.
+
+Three stages, each resumable, turn the data source's documents into the token shards of
+:mod:`lmlab.prepare.shards`:
+
+1. **filter** — the documents stream from the source (never all in memory) in chunks of about 1 MiB
+   that worker processes pass through the filters in manifest order. Corpus-level filters
+   (near-duplicate removal) compare documents in the main process, in corpus order, on signatures the
+   workers computed (the MinHash-LSH split of Broder 1997 / Leskovec et al., *Mining of Massive
+   Datasets* ch. 3). Kept documents are assigned to the train or validation split and spooled as
+   UTF-8 text in parts of about ``shard_mb``. After each part the progress is checkpointed: the
+   state (``state.json``) and a pickle of the corpus-level filters and of the one document held back.
+2. **fit** — the tokenizer learns its vocabulary from the training documents, streamed from the spool
+   (``Tokenizer.fit_documents``): fitted once, before any worker tokenises.
+3. **tokenize** — each spooled part becomes a token shard in a worker process; each finished shard is
+   recorded with the SHA-256 of its files.
+
+Then ``index.json`` is written, the spool deleted, and the folder renamed into place. The cache key
+hashes the data source (its fingerprint: file contents), the tokenizer and the filters with all their
+options, so every run that shares them reuses one copy; a build in progress lives in
+``partial/<key>/`` under an exclusive lock, so concurrent runs (sweep jobs, DDP ranks) wait for one
+builder instead of racing. An interrupted build resumes: spooled parts and shards whose checksums
+verify are kept, the source is read again from the start but the documents already consumed are
+skipped, and the result is byte-identical to an uninterrupted build, because every task is a pure
+function of its input and results are taken in corpus order whatever process computed them. Bad
+input (a ``UserError``) deletes the partial build.
+
+Splitting without knowing the corpus's length in advance: a single document is cut by characters
+(its last ``val_fraction``, as nanoGPT's shakespeare_char); otherwise the k-th kept document goes to
+validation when floor((k+1)·f) > floor(k·f), with f the exact fraction, so validation documents are
+spread evenly and their share is exact at every prefix; the document held back until the end of the
+stream goes to validation if no other did.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from lmlab.prepare.report import Progress
+from lmlab.prepare.stages import FORMAT, Build, Listener
+
+DEFAULT_SHARD_MB = 16.0
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LMLAB_CACHE", Path.home() / ".cache" / "lmlab"))
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cache_key(variant) -> str:
+    data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
+    data = variant.instantiate("data")
+    filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]
+    blob = json.dumps({
+        "format": FORMAT,
+        "data": [data_cls.name, data.fingerprint(), variant.manifest["data"]],
+        "tokenizer": [tok_cls.name, variant.manifest["tokenizer"]],
+        "filters": filters,
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def prepare(variant, root: Path | None = None, workers: int | None = None, shard_mb: float | None = None,
+            listener: Listener | None = None, key: str | None = None) -> Path:
+    """The folder of the variant's prepared corpus: found in the cache, or built (resuming a build
+    that was interrupted). ``workers``: processes that filter and tokenise, this one included."""
+    root = root or cache_root()
+    key = key or cache_key(variant)
+    final = root / "tokens" / key
+    if (final / "index.json").is_file():
+        return final
+    building = root / "partial"
+    building.mkdir(parents=True, exist_ok=True)
+    listener = listener or Progress()
+    with _locked(building / f"{key}.lock", listener):
+        if not (final / "index.json").is_file():  # unless another process built it while we waited
+            shard_bytes = int((shard_mb or DEFAULT_SHARD_MB) * 2**20)
+            Build(variant, key, final, building / key, workers or default_workers(), shard_bytes, listener).run()
+    return final
+
+
+@contextlib.contextmanager
+def _locked(path: Path, listener: Listener):
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; concurrent builders may duplicate work
+        yield
+        return
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            listener("wait", {"lock": str(path)})
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

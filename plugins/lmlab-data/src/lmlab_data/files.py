@@ -1,0 +1,118 @@
+"""What the file-reading data sources share: file lists from paths and glob patterns, the fingerprint of
+their contents, and reading errors turned into one-line user errors that name the file.
+
+``path`` takes one string or a list; each is a file or a glob pattern (``**`` spans folders), relative
+to the manifest's folder. The files are taken in sorted order, each once, so the corpus's order (and
+with it the validation split) does not depend on the file system's listing order.
+"""
+
+import codecs
+import fnmatch
+import glob
+import gzip
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import IO, Literal
+
+from pydantic import ValidationInfo, field_validator
+
+from lmlab.api import DataOptions, Field, UserError
+
+CHUNK = 1 << 20  # read and hash in 1 MiB pieces: a corpus need not fit in memory
+
+
+class FilesOptions(DataOptions):
+    path: str | list[str] = Field(..., help="a file, a glob pattern ('corpus/**/*.txt') or a list of them; "
+                                            "relative to the manifest")
+    exclude: list[str] = Field([], help="glob patterns of files to leave out, matched against the full path "
+                                        "(e.g. '*/test/*')")
+    encoding: str = Field("utf-8", help="the files' text encoding")
+    bad_file: Literal["fail", "skip"] = Field(
+        "fail", help='a file that cannot be read or decoded: "fail" stops with its name, "skip" leaves it out')
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _absolute(cls, value, info: ValidationInfo):
+        # Relative paths mean "next to the manifest", as for Path-typed options.
+        base = (info.context or {}).get("base_dir")
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not items:
+            raise ValueError("names no file")
+        out = []
+        for item in items:
+            if not isinstance(item, (str, os.PathLike)):
+                return value  # pydantic's own type error names it
+            path = Path(item).expanduser()
+            out.append(str(path if path.is_absolute() or base is None else Path(base) / path))
+        return out if isinstance(value, (list, tuple)) else out[0]
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str) -> str:
+        try:
+            codecs.lookup(value)
+        except LookupError:
+            raise ValueError(f"unknown encoding {value!r}") from None
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _matches_files(cls, value):
+        for pattern in ([value] if isinstance(value, str) else value):
+            if glob.has_magic(pattern):
+                if not any(os.path.isfile(p) for p in glob.iglob(pattern, recursive=True)):
+                    raise ValueError(f"no file matches {pattern!r}")
+            elif os.path.isdir(pattern):
+                raise ValueError(f"{pattern!r} is a folder; name its files with a pattern such as "
+                                 f"'{os.path.join(pattern, '**', '*.txt')}'")
+            elif not os.path.exists(pattern):
+                raise ValueError(f"no such file: {pattern!r}")
+        return value
+
+    def files(self) -> list[Path]:
+        """Every file the options name, sorted, each once, without the excluded ones."""
+        found: set[str] = set()
+        for pattern in ([self.path] if isinstance(self.path, str) else self.path):
+            if glob.has_magic(pattern):
+                found.update(p for p in glob.iglob(pattern, recursive=True) if os.path.isfile(p))
+            else:
+                found.add(pattern)
+        keep = (p for p in found if not any(fnmatch.fnmatch(p, x) for x in self.exclude))
+        return [Path(p) for p in sorted(keep)]
+
+
+def open_text(path: Path, encoding: str) -> IO[str]:
+    """The file as text; ``.gz`` files are decompressed as they are read."""
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding=encoding, newline="")
+    return open(path, encoding=encoding, newline="")
+
+
+def read_error(path: Path, encoding: str, exc: Exception) -> UserError:
+    """A reading failure as the one-line error the user sees."""
+    if isinstance(exc, UnicodeDecodeError):
+        why = f"is not valid {encoding} ({exc.reason} at byte {exc.start}); set data.encoding, or"
+    else:
+        why = f"cannot be read ({getattr(exc, 'strerror', None) or exc});"
+    return UserError(f"{path} {why} set bad_file = \"skip\" to leave such files out", key="data.path")
+
+
+READ_ERRORS = (OSError, UnicodeDecodeError, EOFError)  # EOFError: a truncated .gz
+
+
+def fingerprint(options: FilesOptions, base: str) -> str:
+    """SHA-256 of ``base`` (the options), the file names and their bytes."""
+    digest = hashlib.sha256(base.encode())
+    for path in options.files():
+        digest.update(f"\0{path}\0".encode())
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+        except OSError as exc:
+            if options.bad_file == "fail":
+                raise read_error(path, options.encoding, exc) from exc
+            digest.update(b"\0unreadable\0")
+    return digest.hexdigest()

@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO for lmlab: optimizer state, gradients and parameters sharded over data-parallel ranks."""

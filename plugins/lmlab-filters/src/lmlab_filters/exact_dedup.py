@@ -1,0 +1,45 @@
+"""Exact deduplication: a document whose normalised text was seen before is dropped.
+
+Corpora repeat documents verbatim (licence files, boilerplate pages, mirrors, vendored copies), and
+repeated training data is memorised and wastes compute (Lee et al. 2022, "Deduplicating Training Data
+Makes Language Models Better", https://arxiv.org/abs/2107.06499). Each worker hashes a document's
+text after normalisation (whitespace runs collapsed, optionally lowercased) with 128-bit BLAKE2b; the
+main process keeps the set of hashes seen, 16 bytes per kept document, and drops any document whose
+hash is in it: the first occurrence in corpus order is kept.
+"""
+
+import hashlib
+
+from lmlab.api import Field, Filter, Options
+
+
+class ExactDedupOptions(Options):
+    collapse_whitespace: bool = Field(True, help="treat every run of whitespace as one space (and ignore it at "
+                                                 "the ends)")
+    lowercase: bool = Field(False, help="compare texts ignoring case")
+
+
+class ExactDedup(Filter):
+    """``exact-dedup``: the first copy of each text is kept."""
+
+    Options = ExactDedupOptions
+    api = ">=1.3,<2"  # lmlab.api.Filter
+    corpus_level = True
+
+    def __init__(self, options: ExactDedupOptions | None = None):
+        super().__init__(options)
+        self.seen: set[bytes] = set()
+
+    def signature(self, text: str) -> bytes:
+        if self.options.collapse_whitespace:
+            text = " ".join(text.split())
+        if self.options.lowercase:
+            text = text.lower()
+        return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+    def admit(self, signature: bytes) -> bool:
+        if signature in self.seen:
+            self.count("duplicates")
+            return False
+        self.seen.add(signature)
+        return True
