@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lmlab.api import Attention, AttentionModule, Field, MixerContext, ModelShape, Options, UserError
 from lmlab_mamba.scan import selective_scan, selective_step
@@ -102,48 +103,43 @@ class MambaMixer(AttentionModule):
                             "scores to bias; use position none (or learned / sinusoidal)", key="position.use")
         if state is None and self.kernels is not None and u.is_cuda:
             return self._forward_cuda(u)
-        # Time-major inside, (T, B, ·): a chunk of the scan and a tap of the convolution are then
-        # contiguous blocks of rows.
-        x, z = self.in_proj(u.transpose(0, 1)).chunk(2, dim=-1)              # (T, B, Di) each
-        x = F.silu(self._conv(x, state))                                      # (T, B, Di)
+        # Batch-major throughout, as the block hands it over: no transposes, and every op splits its
+        # work between threads by batch rows (see lmlab_mamba.scan).
+        x, z = self.in_proj(u).chunk(2, dim=-1)                               # (B, T, Di) each
+        x = self._conv_silu(x, state)                                         # (B, T, Di)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.softplus(self.dt_proj(dt).float())                             # (T, B, Di) Δ > 0
+        # dt_proj as addmm with its weight transposed into a contiguous (dt_rank, Di) copy: with such a
+        # narrow inner dimension the GEMMs of the backward pass run several times faster that way round.
+        dt = torch.addmm(self.dt_proj.bias, dt.reshape(-1, self.dt_rank), self.dt_proj.weight.t().contiguous())
+        dt = F.softplus(dt.view_as(x).float())                                # (B, T, Di) Δ > 0
         A = -torch.exp(self.A_log.float())                                    # (Di, N)
         xf, B, C = x.float(), B.float(), C.float()                            # the scan runs in float32
         if state is not None and u.shape[1] == 1:
-            y, h = selective_step(xf[0], dt[0], A, B[0], C[0], state.ssm_state)
-            y = y[None]                                                       # (1, B, Di)
+            y, h = selective_step(xf[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm_state)
+            y = y[:, None]                                                    # (B, 1, Di)
         else:
             h0 = state.ssm_state if state is not None else None
-            y, h = selective_scan(xf, dt, A, B, C, h0, self.chunk_size)       # (T, B, Di), (B, Di, N)
+            y, h = selective_scan(xf, dt, A, B, C, h0, self.chunk_size)       # (B, T, Di), (B, Di, N)
         if state is not None:
             state.ssm_state = h
-        y = torch.addcmul(y, xf, self.D.float()).to(u.dtype) * F.silu(z)      # (T, B, Di)
-        return self.out_proj(y).transpose(0, 1)                               # (B, T, C)
+        y = torch.addcmul(y, xf, self.D.float()).to(u.dtype) * F.silu(z)      # (B, T, Di)
+        return self.out_proj(y)                                               # (B, T, C)
 
-    def _conv(self, x: torch.Tensor, state: MambaState | None) -> torch.Tensor:
-        """Causal depthwise convolution over time, x (T, B, Di) → (T, B, Di): out_t = Σ_k w_k x_{t-K+1+k}.
-
-        Written as K shifted multiply-adds: on a CPU that is several times faster than ``nn.Conv1d``,
-        whose depthwise backward is slow, and it needs no transposes.
-        """
-        T, K = x.shape[0], self.d_conv
+    def _conv_silu(self, x: torch.Tensor, state: MambaState | None) -> torch.Tensor:
+        """silu of the causal depthwise convolution over time, x (B, T, Di) → (B, T, Di):
+        out_t = Σ_k w_k x_{t-K+1+k}, as K shifted multiply-adds (see :class:`_CausalConvSiLU`)."""
         w = self.conv1d.weight[:, 0].t()                                      # (K, Di)
-        bias = self.conv1d.bias
-        if state is not None:
-            # The cache holds the last K inputs; the first of them is one step more than the kernel reaches.
-            window = torch.cat([state.conv_state.permute(2, 0, 1), x.to(state.conv_state.dtype)])  # (K+T, B, Di)
-            state.conv_state = window[-K:].permute(1, 2, 0)                   # (B, Di, K)
-            window = window[1:].to(x.dtype)
-            y = window[K - 1:] * w[K - 1] if bias is None else torch.addcmul(bias, window[K - 1:], w[K - 1])
-            for k in range(K - 1):  # the kernel's taps, not time steps
-                y = torch.addcmul(y, window[k:k + T], w[k])
-            return y
-        y = x * w[K - 1] if bias is None else torch.addcmul(bias, x, w[K - 1])
-        for k in range(K - 1):      # tap k reaches K-1-k steps back; the first steps see zeros there
-            shift = K - 1 - k
-            y[shift:].addcmul_(x[:T - shift], w[k])
-        return y
+        if state is None:
+            return _CausalConvSiLU.apply(x, w, self.conv1d.bias)
+        T, K = x.shape[1], self.d_conv
+        # The cache holds the last K inputs; the first of them is one step more than the kernel reaches.
+        window = torch.cat([state.conv_state.transpose(1, 2), x.to(state.conv_state.dtype)], 1)  # (B, K+T, Di)
+        state.conv_state = window[:, -K:].transpose(1, 2)                     # (B, Di, K)
+        window, bias = window[:, 1:].to(x.dtype), self.conv1d.bias
+        y = window[:, K - 1:] * w[K - 1] if bias is None else torch.addcmul(bias, window[:, K - 1:], w[K - 1])
+        for k in range(K - 1):  # the kernel's taps, not time steps
+            y = torch.addcmul(y, window[:, k:k + T], w[k])
+        return F.silu(y)
 
     def _forward_cuda(self, u: torch.Tensor) -> torch.Tensor:
         """mamba_ssm's fused conv and scan kernels (training and state-less forward on CUDA)."""
@@ -156,6 +152,44 @@ class MambaMixer(AttentionModule):
                               B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), self.D.float(),
                               z=z.contiguous(), delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
         return self.out_proj(y.transpose(1, 2))                               # (B, T, C)
+
+
+class _CausalConvSiLU(torch.autograd.Function):
+    """silu(causal depthwise conv1d(x)) over x (B, T, Di), weight (K, Di), bias (Di) or None, without a
+    decoding state: the steps before the first see zeros.
+
+    The convolution is K shifted multiply-adds over the input padded with K - 1 zeros: on a CPU several
+    times faster than ``nn.Conv1d``, whose depthwise backward is slow. Recorded by autograd, each
+    in-place add on a shifted slice costs a copy of the gradient; written out, the backward is the same
+    K shifted adds run the other way and one product per tap for the weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        K, T = weight.shape[0], x.shape[1]
+        padded = F.pad(x, (0, 0, K - 1, 0))                                   # (B, K-1+T, Di), zeros first
+        last = padded[:, K - 1:]                                              # x itself
+        pre = last * weight[K - 1] if bias is None else torch.addcmul(bias, last, weight[K - 1])
+        for k in range(K - 1):  # tap k reaches K-1-k steps back
+            pre.addcmul_(padded[:, k:k + T], weight[k])
+        ctx.save_for_backward(padded, weight, pre)
+        ctx.has_bias = bias is not None
+        return F.silu(pre)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        padded, weight, pre = ctx.saved_tensors
+        K, T = weight.shape[0], pre.shape[1]
+        g = torch.ops.aten.silu_backward(grad, pre)                          # dL/d(conv output)
+        gx = g * weight[K - 1]
+        gw = torch.empty_like(weight)
+        for k in range(K):
+            if k < K - 1:
+                shift = K - 1 - k
+                gx[:, :T - shift].addcmul_(g[:, shift:], weight[k])
+            gw[k] = torch.sum(g * padded[:, k:k + T], (0, 1))                # Σ_t g_t x_{t-K+1+k}
+        return gx, gw, g.sum((0, 1)) if ctx.has_bias else None
 
 
 def _load_cuda_kernels():

@@ -6,29 +6,38 @@ zero-order hold for A and the Euler step for B of the reference implementation):
     h_t = exp(Δ_t A) ⊙ h_{t-1} + (Δ_t x_t) B_t        h: (N, D) here, (D, N) in the state object
     y_t = C_t · h_t                                    y: (D,)
 
-Training runs it chunk by chunk. Inside a chunk of L steps every state comes at once from cumulative
-sums of the log-decays ``a_t = Δ_t A ≤ 0``: with ``S_t = a_1 + ... + a_t`` and a reference r,
+Training runs it chunk by chunk, in a Python loop over T / L chunks, never over time steps; only each
+chunk's last state is carried to the next. Inside a chunk of L steps all states come at once from the
+log-depth parallel prefix of Sklansky (1960): the steps h ↦ a_t h + u_t compose associatively, so in
+log2(L) rounds the second half of every block of 2^k steps takes in the last state of the first half,
+``h[second] += a[second] ⊙ h[last of first]``, and its running decay products take in the first
+half's, ``a[second] *= a[last of first]``. Each round is two in-place broadcasting products over half
+the chunk, views of one buffer. (Chunks are short because every round is another pass over the
+states: 8 steps need three.)
 
-    h_t = exp(S_t - r) ⊙ (exp(r) h_0 + Σ_{s≤t} exp(r - S_s) ⊙ u_s)        u_s = (Δ_s x_s) B_s
+Every factor is a decay a_t = exp(Δ_t A) ≤ 1 and every sum one of states, so nothing can overflow and
+the result matches the recurrence to rounding for any Δ. A scan in log space (products as exp(S_t) ·
+exp(-S_s) of running sums S, the sums as a triangular matrix product) needs exponents bounded by a
+reference point and chunks cut where decays are large, and its (L, L) @ (L, Bt·N·D) product is a slow
+GEMM on a CPU; ``cumsum`` along the time axis is slower still.
 
-the factorised scan in log space of Heinsen 2023 ("Efficient Parallelization of a Ubiquitous
-Sequential Computation"), applied to one chunk. Only each chunk's last state is carried to the next,
-in a loop over T / L chunks, never over time steps. Three things make it fast on a CPU: A does not
-depend on time, so ``S_t = A ⊙ Σ_{s≤t} Δ_s`` needs cumulative sums of Δ only, N times less work;
-the cumulative sums are products with a triangular (L, L) matrix, many times faster than ``cumsum``
-along a middle axis; and the backward pass is written out (the adjoint of a linear recurrence is the
-same recurrence run backwards), so it costs about what the forward does. Exponentials are base 2
-(``exp2`` is several times faster than ``exp`` in PyTorch's CPU kernels).
+The backward pass is written out: the adjoint of a linear recurrence is the same recurrence run
+backwards, dL/dh_t = C_t gy_t + a_{t+1} dL/dh_{t+1}, the same prefix mirrored in time. The forward
+pass keeps only the state each chunk starts from; the backward pass recomputes a chunk's decays and
+states from it just before it needs them. Saving every state measured no faster: the states of a step
+are tens of MB, far past the caches, and writing them out and reading them back costs about what
+recomputing them does; it would also hold that memory for the whole step.
 
-Numerics, all in float32: exponents are taken against the chunk's middle step (r = S_mid) and come
-straight from segment sums (never a difference of two long sums), and no exponent may exceed
-``MAX_EXPONENT`` = 70 in size. A chunk where the decay Δ · |A| on either side of the middle is at most
-that — nearly every chunk: Δ ≈ 0.001..0.1 and |A| ≤ d_state at init — is exact up to rounding. A
-chunk beyond it is cut into
-pieces of at most 8 steps, and in a piece that still exceeds it each step's log-decay is floored at
-``-2 · MAX_EXPONENT / 8`` = -17.5, so that the at most 4 steps on either side of the middle stay in
-range. A floored step keeps a fraction e^-17.5 ≈ 2.5e-8 of the previous state where the exact one keeps
-even less: a difference below float32's resolution of that state.
+Layout, for the CPU: float32 states (Bt, L, N, D) with batch rows outermost and channels last. A
+step's decays and inputs are then broadcasting products of (Bt, L, 1, D) and (Bt, L, N, 1) rows, the
+reductions over N or D (y = C · h and the gradients of B, C and x) are (1, ·) @ (·, ·) products batched
+over (row, step), which read the states once and write nothing of their size, and exponentials are
+``exp2`` (several times faster than ``exp`` in PyTorch's CPU kernels). Batch rows outermost matters
+with several threads: an op splits its elements between threads in memory order, so every op of a
+chunk gives each thread the same batch rows and each core keeps working on data in its own cache.
+Time-major buffers (L, Bt, N, D) split by steps instead, differently for the full-chunk ops and the
+half-chunk rounds, and the data moved between the cores' caches at every op: with two threads the scan
+ran slower than with one.
 """
 
 import math
@@ -37,23 +46,18 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-#: Largest |S_t - S_mid|: e^70 ≈ 2.5e30 leaves float32 (max ≈ 3.4e38) room for the sums it multiplies.
-MAX_EXPONENT = 70.0
-#: A chunk with too much decay is cut into pieces this long, so that their per-step floor is -17.5 or lower.
-FLOORED_CHUNK = 8
 LOG2_E = 1.0 / math.log(2.0)
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    h0: torch.Tensor | None = None, chunk_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence above over T steps, in chunks of ``chunk_size``. Time-major, so that a chunk is a
-    contiguous block of rows and its cumulative sums are one (l, l) @ (l, Bt·N·D) matrix product.
+    """The recurrence above over T steps, in chunks of ``chunk_size``.
 
-    x, dt (T, Bt, D); A (D, N) ≤ 0; B, C (T, Bt, N); h0 (Bt, D, N) or None for zeros; all float32.
-    Returns y (T, Bt, D) and the last state h_T (Bt, D, N).
+    x, dt (Bt, T, D); A (D, N) ≤ 0; B, C (Bt, T, N); h0 (Bt, D, N) or None for zeros; all float32.
+    Returns y (Bt, T, D) and the last state h_T (Bt, D, N).
     """
     if h0 is None:
-        h0 = x.new_zeros(x.shape[1], A.shape[0], A.shape[1])
+        h0 = x.new_zeros(x.shape[0], A.shape[0], A.shape[1])
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, dt, A, B, C, h0))
     with torch.autocast(x.device.type, enabled=False):  # mixed precision must not reach the scan
         return _ChunkedScan.apply(x, dt, A, B, C, h0, chunk_size, backward)
@@ -66,74 +70,48 @@ def selective_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     return (h * C[:, None, :]).sum(-1), h  # elementwise, so mixed precision (autocast) leaves it in float32
 
 
-class _Chunks:
-    """The chunks of one scan: bounds, cumulative-sum matrices and decays, shared by both passes.
-
-    Chunks are ``chunk_size`` long, except that one whose decay exceeds ``MAX_EXPONENT`` on a side of its
-    middle is cut into pieces of at most ``FLOORED_CHUNK`` steps, which are floored if they still do.
-    """
-
-    def __init__(self, dt: torch.Tensor, At2: torch.Tensor, chunk_size: int):
-        T = dt.shape[0]
-        self.L = min(chunk_size, T)
-        rate = dt * (At2.abs().amax(0) / LOG2_E)          # (T, Bt, D) each step's decay at its channel's fastest
-        bounds = _split(0, T, self.L)
-        if self.L > FLOORED_CHUNK:
-            bounds = [piece for bound, big in zip(bounds, self._too_much_decay(rate, bounds))
-                      for piece in (_split(*bound, FLOORED_CHUNK) if big else [bound])]
-        self.bounds = bounds
-        self.floored = self._too_much_decay(rate, bounds)
-        self.matrices = {}
-
-    @staticmethod
-    def _too_much_decay(rate: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bool]:
-        """Per chunk: does the decay on either side of its middle step exceed MAX_EXPONENT anywhere?"""
-        flags = [False] * len(bounds)
-        by_length: dict[int, list[int]] = {}
-        for i, (start, end) in enumerate(bounds):
-            by_length.setdefault(end - start, []).append(i)
-        for l, chunks in by_length.items():  # one gather per chunk length (two at most, without floors)
-            starts = torch.tensor([bounds[i][0] for i in chunks], device=rate.device)
-            steps = rate[(starts[:, None] + torch.arange(l, device=rate.device)).flatten()]
-            steps = steps.view(len(chunks), l, -1)                                # (chunks, l, Bt·D)
-            mid = (l - 1) // 2
-            # S_0 - S_mid sums steps 1..mid; S_{l-1} - S_mid sums steps mid+1..l-1.
-            side = torch.maximum(steps[:, 1:mid + 1].sum(1), steps[:, mid + 1:].sum(1)).amax(1)
-            for i, big in zip(chunks, (side > MAX_EXPONENT).tolist()):
-                flags[i] = big
-        return flags
-
-    def floor(self, l: int) -> float:
-        """Per-step floor of the log2-decays in a floored chunk of l steps: each side of the middle holds
-        at most l/2 steps, so its exponents stay within MAX_EXPONENT."""
-        return -2 * MAX_EXPONENT / l * LOG2_E
-
-    def matrices_for(self, l: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tril, seg) for a chunk of l steps: ``tril @ z`` sums z over steps ≤ t; ``seg @ z`` (l+1 rows)
-        sums it from the middle step to t (signed) in rows 0..l-1 and up to the middle in row l."""
-        if l not in self.matrices:
-            tril = torch.ones(l, l, device=like.device, dtype=like.dtype).tril()
-            mid = (l - 1) // 2
-            self.matrices[l] = tril, torch.cat([tril - tril[mid], tril[mid:mid + 1]])  # (l, l), (l+1, l)
-        return self.matrices[l]
-
-    def decays(self, k: int, dt_c: torch.Tensor, At2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Chunk k's exp(S_t - S_mid) into ``out`` (l, Bt, N, D); returns exp(S_mid) (Bt, N, D)."""
-        l = dt_c.shape[0]
-        _, seg = self.matrices_for(l, dt_c)
-        if not self.floored[k]:
-            # a_t = Δ_t A, so S_t - S_mid = A ⊙ (Δ summed from the middle to t): sums over (l, Bt, D) only.
-            s = (seg @ dt_c.flatten(1)).view(l + 1, *dt_c.shape[1:])        # (l+1, Bt, D)
-            torch.mul(s[:l, :, None, :], At2, out=out).exp2_()
-            return torch.exp2(s[l, :, None, :] * At2)
-        a = (dt_c[:, :, None, :] * At2).clamp_(min=self.floor(l))            # (l, Bt, N, D) log2-decays
-        S = (seg @ a.flatten(1)).view(l + 1, *a.shape[1:])                   # (l+1, Bt, N, D)
-        torch.exp2(S[:l], out=out)
-        return torch.exp2(S[l])
+def _prefix_rounds(h: torch.Tensor, a: torch.Tensor) -> list[tuple]:
+    """Sklansky's rounds that turn the inputs u_t in ``h`` (Bt, l, ...) into the states
+    h_t = a_t h_{t-1} + u_t (from h_{-1} = 0), as (h_to, a_to, h_from, a_from) views of h and of the
+    decays ``a``, which they overwrite with running products; a_from is None where no later round reads
+    the products. A block cut short by the end of the chunk does the same on the steps it has."""
+    rounds, l, s = [], h.shape[1], 1
+    while s < l:
+        full = l // (2 * s) * 2 * s                                  # steps in whole blocks of 2s
+        later = 2 * s < l
+        if full:
+            hv, av = (t[:, :full].unflatten(1, (full // (2 * s), 2 * s)) for t in (h, a))
+            rounds.append((hv[:, :, s:], av[:, :, s:], hv[:, :, s - 1:s], av[:, :, s - 1:s] if later else None))
+        if l - full > s:
+            rounds.append((h[:, full + s:], a[:, full + s:], h[:, full + s - 1:full + s],
+                           a[:, full + s - 1:full + s] if later else None))
+        s *= 2
+    return rounds
 
 
-def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
-    return [(s, min(s + size, end)) for s in range(start, end, size)]
+def _suffix_rounds(g: torch.Tensor, a: torch.Tensor) -> list[tuple]:
+    """:func:`_prefix_rounds` mirrored in time, g_t = a_t g_{t+1} + c_t from g_l = 0, where a_t is the
+    decay from step t to t + 1 (a_{l-1}, past the chunk's end, only enters products that no round
+    reads). Blocks are aligned to the end of the chunk."""
+    rounds, l, s = [], g.shape[1], 1
+    while s < l:
+        start = l % (2 * s)                                          # steps before the first whole block
+        later = 2 * s < l
+        if start < l:
+            gv, av = (t[:, start:].unflatten(1, ((l - start) // (2 * s), 2 * s)) for t in (g, a))
+            rounds.append((gv[:, :, :s], av[:, :, :s], gv[:, :, s:s + 1], av[:, :, s:s + 1] if later else None))
+        if start > s:
+            rounds.append((g[:, :start - s], a[:, :start - s], g[:, start - s:start - s + 1],
+                           a[:, start - s:start - s + 1] if later else None))
+        s *= 2
+    return rounds
+
+
+def _run(rounds: list[tuple]) -> None:
+    for h_to, a_to, h_from, a_from in rounds:
+        h_to.addcmul_(a_to, h_from)
+        if a_from is not None:
+            a_to.mul_(a_from)
 
 
 class _BufferPool:
@@ -161,44 +139,68 @@ class _BufferPool:
 _POOL = _BufferPool()
 
 
+def _buffers(like: torch.Tensor, *shapes: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Buffers of the given shapes, carved from one pooled flat buffer (returned first, to give back)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = _POOL.take(sum(sizes), like)
+    return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+def _chunked(t: torch.Tensor, L: int) -> torch.Tensor:
+    """(Bt, T, k) → (n, Bt, L, k), chunk-major and contiguous, padded with zeros to whole chunks."""
+    Bt, T, k = t.shape
+    n = -(-T // L)
+    if n * L > T:
+        t = F.pad(t, (0, 0, 0, n * L - T))
+    return t.view(Bt, n, L, k).transpose(0, 1).contiguous()
+
+
+def _unchunked(t: torch.Tensor, T: int) -> torch.Tensor:
+    """(n, Bt, L, k) chunk-major → (Bt, T, k), the padding dropped."""
+    n, Bt, L, k = t.shape
+    return t.transpose(0, 1).reshape(Bt, n * L, k)[:, :T]
+
+
 class _ChunkedScan(torch.autograd.Function):
-    """Forward and backward of :func:`selective_scan`. Inside, everything is time-major and states are
-    (l, Bt, N, D) with channels last, so y = C · h and the gradients are wide products or reductions.
-    All large temporaries come from :data:`_POOL`."""
+    """Forward and backward of :func:`selective_scan`.
+
+    The (Bt, T, ·) inputs are copied once into chunk-major (n, Bt, L, ·) tensors, padded with zeros to
+    whole chunks (Δ = 0 there: a decay of 1 and no input, so a padded step passes the state on
+    unchanged), so that every chunk is a contiguous block of the same shape, split into per-chunk views
+    once: the loop over chunks does no slicing or copying of inputs and outputs.
+    """
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, h0, chunk_size, training):
-        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))              # (T, Bt, ·)
+        if training:  # the arguments themselves: torch.compile refuses to save views of them
+            ctx.save_for_backward(x, dt, A, B, C)
         At2 = A.t().contiguous() * LOG2_E                                    # (N, D) A in base-2 units
-        T, Bt, D = x.shape
+        Bt, T, D = x.shape
         N = At2.shape[0]
-        chunks = _Chunks(dt, At2, chunk_size)
-        # Every state h_t and decay exp(S_t - S_mid), kept for the backward pass; without one, a chunk's
-        # worth of each is enough.
-        saved = [_POOL.take((T if training else chunks.L) * Bt * N * D, x) for _ in range(2)]
-        work = [_POOL.take(chunks.L * Bt * N * D, x) for _ in range(2)]
-        v = dt * x                                                           # (T, Bt, D)
-        y = torch.empty_like(x)
-        h = h0.transpose(1, 2)                                               # (Bt, N, D)
-        for k, (start, end) in enumerate(chunks.bounds):
-            l = end - start
-            tril, _ = chunks.matrices_for(l, x)
-            offset = start * Bt * N * D if training else 0
-            hs, P = (buf[offset:offset + l * Bt * N * D].view(l, Bt, N, D) for buf in saved)
-            u, inflow = (buf[:hs.numel()].view_as(hs) for buf in work)
-            e_mid = chunks.decays(k, dt[start:end], At2, out=P)             # P = exp(S_t - S_mid)
-            torch.mul(v[start:end, :, None, :], B[start:end, :, :, None], out=u).div_(P)  # u_t exp(S_mid - S_t)
-            torch.mm(tril, u.view(l, -1), out=inflow.view(l, -1))             # Σ_{s≤t} exp(S_mid - S_s) u_s
-            torch.add(inflow, e_mid * h, out=hs).mul_(P)                     # (l, Bt, N, D) states h_t
-            torch.matmul(C[start:end, :, None, :], hs, out=y[start:end, :, None, :])  # (l, Bt, 1, D)
-            h = hs[-1] if training else hs[-1].clone()  # the buffer is overwritten by the next chunk
-        _POOL.give(*work)
+        L = max(1, min(chunk_size, T))
+        dt_c = _chunked(dt, L)                                               # (n, Bt, L, D)
+        n = dt_c.shape[0]
+        v_c, B_c, C_c = dt_c * _chunked(x, L), _chunked(B, L), _chunked(C, L)
+        y_c = x.new_empty(n, Bt * L, 1, D)
+        flat, (hs, a) = _buffers(x, (Bt, L, N, D), (Bt, L, N, D))
+        prefix, hs_r, hs_last = _prefix_rounds(hs, a), hs.view(-1, N, D), hs[:, -1]
+        start = (hs[:, 0], a[:, 0])
+        # The state each chunk starts from and the last one: all of them when the backward pass will
+        # recompute the chunks from them, else the two in use.
+        starts = x.new_empty(n + 1 if training else 2, Bt, N, D)
+        starts[0] = h0.transpose(1, 2)
+        chunks = zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
+                     C_c.view(n, -1, 1, N).unbind(), y_c.unbind())
+        slots = starts.unbind()
+        for k, (dt_k, v_k, B_k, C_k, y_k) in enumerate(chunks):
+            torch.mul(dt_k, At2, out=a).exp2_()                              # a_t = exp(Δ_t A)
+            _states(hs, start, prefix, slots[k % len(slots)], v_k, B_k)
+            torch.bmm(C_k, hs_r, out=y_k)                                    # y_t = C_t · h_t
+            slots[(k + 1) % len(slots)].copy_(hs_last)
+        _POOL.give(flat)
         if training:
-            ctx.save_for_backward(x, dt, At2, B, C)
-            ctx.chunks, ctx.saved = chunks, saved
-        else:
-            _POOL.give(*saved)
-        return y, h.transpose(1, 2).clone()  # not a view of the pooled buffer, which will be reused
+            ctx.L, ctx.starts = L, starts
+        return _unchunked(y_c.view(n, Bt, L, D), T), starts[n % len(starts)].transpose(1, 2).clone()
 
     @staticmethod
     @once_differentiable
@@ -208,47 +210,65 @@ class _ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gy, gh_last):
-        if ctx.saved is None:
-            raise RuntimeError("the mamba scan frees its saved states after one backward pass; "
-                               "backward through it twice (retain_graph) is not supported")
-        x, dt, At2, B, C = ctx.saved_tensors
-        chunks = ctx.chunks
-        T, Bt, D = x.shape
-        N = At2.shape[0]
-        states, decays = (buf.view(T, Bt, N, D) for buf in ctx.saved)
-        v = dt * x
-        gy = torch.zeros_like(x) if gy is None else gy.contiguous()         # (T, Bt, D)
+        x, dt, A, B, C = ctx.saved_tensors
+        At = A.t().contiguous()                                              # (N, D)
+        At2 = At * LOG2_E
+        Bt, T, D = x.shape
+        N, L, starts = At.shape[0], ctx.L, ctx.starts
+        n = starts.shape[0] - 1
+        x_c, dt_c, B_c, C_c = (_chunked(t, L) for t in (x, dt, B, C))       # (n, Bt, L, ·)
+        v_c = dt_c * x_c
+        gy_c = x_c.new_zeros(x_c.shape) if gy is None else _chunked(gy, L)
         # G: dL/dh at the end of the chunk being processed, walking backwards from the last one.
-        G = x.new_zeros(Bt, N, D) if gh_last is None else gh_last.transpose(1, 2)
-        gv, gdt, gB, gC = torch.empty_like(x), torch.empty_like(x), torch.empty_like(B), torch.empty_like(C)
-        gAt = torch.zeros_like(At2)                                          # dL/dA, transposed: (N, D)
-        work = [_POOL.take(chunks.L * Bt * N * D, x) for _ in range(2)]
-        for k in reversed(range(len(chunks.bounds))):
-            start, end = chunks.bounds[k]
-            l = end - start
-            tril, _ = chunks.matrices_for(l, x)
-            hs, P = states[start:end], decays[start:end]                     # (l, Bt, N, D)
-            w, gh = (buf[:hs.numel()].view_as(hs) for buf in work)
-            gy_c, v_c, B_c, dt_c = gy[start:end, :, None, :], v[start:end, :, None, :], B[start:end], dt[start:end]
-            # dL/dh_t = Σ_{s≥t} exp(S_s - S_t) (C_s ⊗ gy_s) + exp(S_l - S_t) G: a reverse cumulative sum.
-            torch.mul(C[start:end, :, :, None], gy_c, out=w).mul_(P)         # (l, Bt, N, D)
-            torch.mm(tril.t(), w.view(l, -1), out=gh.view(l, -1))
-            gh.add_(P[-1] * G).div_(P)
-            torch.sum(torch.mul(hs, gy_c, out=w), -1, out=gC[start:end])       # (l, Bt, N)
-            torch.sum(torch.mul(gh, v_c, out=w), -1, out=gB[start:end])        # (l, Bt, N)
-            torch.matmul(B_c[:, :, None, :], gh, out=gv[start:end, :, None, :])  # (l, Bt, 1, D)
-            a0 = dt_c[0, :, None, :] * At2                                   # (Bt, N, D) first step, base 2
-            if chunks.floored[k]:
-                a0 = a0.clamp(min=chunks.floor(l))
-            G = gh[0] * torch.exp2(a0)                                       # dL/dh at the chunk's start
-            # dL/da_t = dL/dh_t ⊙ exp(a_t) h_{t-1}, and exp(a_t) h_{t-1} = h_t - u_t (a in natural units).
-            ga = torch.addcmul(hs, v_c, B_c[..., None], value=-1.0, out=w).mul_(gh)
-            if chunks.floored[k]:
-                ga.masked_fill_(dt_c[:, :, None, :] * At2 < chunks.floor(l), 0.0)  # a floored step: no gradient
-            torch.sum(torch.mul(ga, At2, out=gh), 2, out=gdt[start:end])
-            gAt += torch.mul(ga, dt_c[:, :, None, :], out=gh).sum((0, 1))
-        _POOL.give(*ctx.saved, *work)
-        ctx.saved = None
-        # ga is dL/da for the natural log-decay a = Δ A; the Σ ga · At2 above used A · log2(e).
-        gdt.div_(LOG2_E).add_(gv * x)
-        return gv * dt, gdt, gAt.t(), gB, gC, G.transpose(1, 2), None, None
+        G = starts.new_zeros(Bt, N, D)
+        if gh_last is not None:
+            G.copy_(gh_last.transpose(1, 2))
+        gv_c, gdt_c = torch.empty_like(x_c), torch.empty_like(x_c)
+        gB_c, gC_c = torch.empty_like(B_c), torch.empty_like(C_c)
+        # States, their decays (which the prefix overwrites), gradients, decays for the suffix (one step
+        # more: the suffix reads a_{t+1} at step t; zeroed so that the one past the chunk's end holds a
+        # number) and dL/dA per (row, step), summed over chunks.
+        flat, (hs, a_fwd, gh, a, gA_steps) = _buffers(x, *[(Bt, L, N, D)] * 3, (Bt, L + 1, N, D), (Bt, L, N, D))
+        a.zero_()
+        gA_steps.zero_()
+        prefix, suffix = _prefix_rounds(hs, a_fwd), _suffix_rounds(gh, a[:, 1:])
+        start, a_head, a0, gh0, gh_end = (hs[:, 0], a_fwd[:, 0]), a[:, :L], a[:, 0], gh[:, 0], gh[:, -1]
+        hs_r, gh_r = hs.view(-1, N, D), gh.view(-1, N, D)
+        hs_rt, gh_rt = hs_r.transpose(1, 2), gh_r.transpose(1, 2)
+        slots = starts.unbind()
+        rows = lambda t, k: t.view(n, -1, 1, k).unbind()                     # noqa: E731  (Bt·L, 1, k) each
+        chunks = list(zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
+                          C_c[..., None].unbind(), gy_c[:, :, :, None].unbind(), rows(v_c, D), rows(B_c, N),
+                          rows(gy_c, D), rows(gv_c, D), rows(gB_c, N), rows(gC_c, N), gdt_c.unbind()))
+        for k in reversed(range(n)):
+            dt_k, v_k, B_k, C_k, gy_k, v_r, B_r, gy_r, gv_r, gB_r, gC_r, gdt_k = chunks[k]
+            torch.mul(dt_k, At2, out=a_head).exp2_()
+            a_fwd.copy_(a_head)                                              # cheaper than exp2 again
+            _states(hs, start, prefix, slots[k], v_k, B_k)
+            # dL/dh_t = C_t gy_t + a_{t+1} dL/dh_{t+1}, entering with G at the chunk's last step.
+            torch.mul(C_k, gy_k, out=gh)
+            gh_end.add_(G)
+            _run(suffix)
+            torch.mul(a0, gh0, out=G)                                        # dL/dh at the chunk's start
+            torch.bmm(gy_r, hs_rt, out=gC_r)                                 # Σ_d h gy
+            torch.bmm(v_r, gh_rt, out=gB_r)                                  # Σ_d gh Δx
+            torch.bmm(B_r, gh_r, out=gv_r)                                   # Σ_n B gh
+            # dL/da_t for the log-decay a_t = Δ_t A: dL/dh_t ⊙ exp(a_t) h_{t-1} = dL/dh_t ⊙ (h_t - u_t).
+            # The states are not needed any more, so it overwrites them.
+            ga = hs.addcmul_(v_k, B_k, value=-1.0).mul_(gh)
+            torch.sum(torch.mul(ga, At, out=gh), 2, out=gdt_k)              # Σ_n dL/da ⊙ A
+            gA_steps.addcmul_(ga, dt_k)
+        gAt = gA_steps.sum((0, 1))                                           # (N, D)
+        _POOL.give(flat)
+        gdt_c.addcmul_(gv_c, x_c)                                            # Δ also scales the input
+        gx_c = gv_c.mul_(dt_c)
+        return (*(_unchunked(t, T) for t in (gx_c, gdt_c)), gAt.t(), *(_unchunked(t, T) for t in (gB_c, gC_c)),
+                G.transpose(1, 2), None, None)
+
+
+def _states(hs, start, prefix, h, v, B) -> None:
+    """A chunk's states into ``hs`` (Bt, L, N, D), from the state h (Bt, N, D) before it. The decays
+    a_t = exp(Δ_t A) must be in the buffer the prefix rounds overwrite; ``start`` is (hs[:, 0], a[:, 0])."""
+    torch.mul(v, B, out=hs)                                                  # u_t = Δ_t x_t B_t
+    start[0].addcmul_(start[1], h)                                           # the carried state enters
+    _run(prefix)
