@@ -1,3 +1,5 @@
 """``lmlab prepare``: the corpus filtered, split and tokenised once into sharded memory-mapped token
-files, in parallel, resumable and cached (:mod:`lmlab.prepare.pipeline`; the file format in
-:mod:`lmlab.prepare.shards`, the worker processes' tasks in :mod:`lmlab.prepare.work`)."""
+files, in parallel, resumable and cached. :mod:`lmlab.prepare.pipeline` explains the technique and is
+the entry point; :mod:`~lmlab.prepare.stages` runs the stages, :mod:`~lmlab.prepare.work` the worker
+processes' tasks; :mod:`~lmlab.prepare.spool` and :mod:`~lmlab.prepare.shards` hold the on-disk
+formats, :mod:`~lmlab.prepare.report` the statistics and the progress line."""

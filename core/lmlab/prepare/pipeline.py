@@ -3,8 +3,9 @@
 Three stages, each resumable, turn the data source's documents into the token shards of
 :mod:`lmlab.prepare.shards`:
 
-1. **filter** — the documents stream from the source (never all in memory) in chunks of about 1 MiB
-   that worker processes pass through the filters in manifest order. Corpus-level filters
+1. **filter** — the documents stream from the source (never all in memory) in chunks of about
+   256 KiB that worker processes pass through the filters in manifest order; this process runs chunks
+   too while the workers start or are busy. Corpus-level filters
    (near-duplicate removal) compare documents in the main process, in corpus order, on signatures the
    workers computed (the MinHash-LSH split of Broder 1997 / Leskovec et al., *Mining of Massive
    Datasets* ch. 3). Kept documents are assigned to the train or validation split and spooled as
@@ -12,8 +13,8 @@ Three stages, each resumable, turn the data source's documents into the token sh
    state (``state.json``) and a pickle of the corpus-level filters and of the one document held back.
 2. **fit** — the tokenizer learns its vocabulary from the training documents, streamed from the spool
    (``Tokenizer.fit_documents``): fitted once, before any worker tokenises.
-3. **tokenize** — each spooled part becomes a token shard in a worker process; each finished shard is
-   recorded with the SHA-256 of its files.
+3. **tokenize** — each spooled part becomes a token shard (in worker processes when tokenising is slow
+   enough to pay for starting them); each finished shard is recorded with the SHA-256 of its files.
 
 Then ``index.json`` is written, the spool deleted, and the folder renamed into place. The cache key
 hashes the data source (its fingerprint: file contents), the tokenizer and the filters with all their
@@ -55,9 +56,11 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def cache_key(variant) -> str:
+def cache_key(variant, source=None) -> str:
+    """The cache entry's name: a hash of the data (``source``'s fingerprint, a fresh instance of the
+    variant's data source by default), the filters and the tokenizer, with all their options."""
     data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
-    data = variant.instantiate("data")
+    data = source or variant.instantiate("data")
     filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]
     blob = json.dumps({
         "format": FORMAT,
@@ -73,7 +76,8 @@ def prepare(variant, root: Path | None = None, workers: int | None = None, shard
     """The folder of the variant's prepared corpus: found in the cache, or built (resuming a build
     that was interrupted). ``workers``: processes that filter and tokenise, this one included."""
     root = root or cache_root()
-    key = key or cache_key(variant)
+    source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
+    key = key or cache_key(variant, source)
     final = root / "tokens" / key
     if (final / "index.json").is_file():
         return final
@@ -83,7 +87,8 @@ def prepare(variant, root: Path | None = None, workers: int | None = None, shard
     with _locked(building / f"{key}.lock", listener):
         if not (final / "index.json").is_file():  # unless another process built it while we waited
             shard_bytes = int((shard_mb or DEFAULT_SHARD_MB) * 2**20)
-            Build(variant, key, final, building / key, workers or default_workers(), shard_bytes, listener).run()
+            Build(variant, source, key, final, building / key, workers or default_workers(), shard_bytes,
+                  listener).run()
     return final
 
 

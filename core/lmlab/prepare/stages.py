@@ -17,9 +17,9 @@ from lmlab.prepare.report import merged, new_stats, public, record
 from lmlab.prepare.work import PluginSpec, TokenizeTask, Workers
 
 FORMAT = 2  # bump when the cache layout changes
-CHUNK_CHARS = 1 << 20  # documents per filtering task: about this many characters...
+CHUNK_CHARS = 1 << 18  # documents per filtering task: about this many characters...
 CHUNK_DOCS = 256  # ...or this many documents
-PARALLEL_MIN_BYTES = 4 << 20  # less text than this tokenises faster than a pool starts
+POOL_WORTH_S = 3.0  # tokenising work, in seconds here, that justifies starting worker processes
 SPLITS = ("train", "val")
 
 Listener = Callable[[str, dict], None]
@@ -28,12 +28,12 @@ Listener = Callable[[str, dict], None]
 class Build:
     """One preparation of one cache entry, from its partial folder to the finished one."""
 
-    def __init__(self, variant, key: str, final: Path, partial: Path, workers: int, shard_bytes: int,
+    def __init__(self, variant, source, key: str, final: Path, partial: Path, workers: int, shard_bytes: int,
                  listener: Listener):
         self.variant, self.key, self.final, self.partial = variant, key, final, partial
         self.spool = partial / "text"
         self.workers, self.listener = workers, listener
-        self.source = variant.instantiate("data")
+        self.source = source  # the data source whose fingerprint is in the key
         self.filters = [PluginSpec(cls, cls.name, variant.options("filter", cls.name))
                         for cls in variant.plugins.get("filter", [])]
         tok_cls = variant.plugins["tokenizer"]
@@ -53,12 +53,12 @@ class Build:
 
     def run(self) -> None:
         try:
-            self._resume_or_start()
             with Workers(self.workers, self.filters) as pool:
-                if self.state["stage"] == "filter" and self.filters:
+                if self.filters and not (self.partial / "tokenizer").is_dir():  # filtering to do
                     # Workers take a second or two to start (they import torch with lmlab.api): let
-                    # them start while this process reads the first documents.
+                    # them start while this process checks the partial build and reads documents.
                     pool.start()
+                self._resume_or_start()
                 if self.state["stage"] == "filter":
                     self._filter(pool)
                 if self.state["stage"] == "fit":
@@ -278,17 +278,29 @@ class Build:
         total = sum(1 for part in st["parts"] for split in SPLITS if split in part)
         spooled = {(split, part["index"]): part[split]["bytes"] for part in st["parts"] for split in SPLITS
                    if split in part}
-        processed, started = 0, time.perf_counter()
-        todo = sum(spooled[(task.split, task.index)] for task in tasks)
-        for entry in pool.map("tokenize_part", tasks, parallel=todo >= PARALLEL_MIN_BYTES):
+        progress = {"stage": "tokenize", "total": total, "bytes": 0, "since": time.perf_counter()}
+
+        def finished(entry: dict) -> None:
             split, index = entry["name"].rsplit("-", 1)
             done[split][str(int(index))] = entry
             self._save_state()
-            processed += spooled[(split, int(index))]
+            progress["bytes"] += spooled[(split, int(index))]
+            progress.update(shards=sum(len(v) for v in done.values()),
+                            tokens=sum(e["tokens"] for v in done.values() for e in v.values()))
             self.listener("shard", {"name": entry["name"]})
-            self.listener("progress", {"stage": "tokenize", "shards": sum(len(v) for v in done.values()),
-                                       "total": total, "bytes": processed, "since": started,
-                                       "tokens": sum(e["tokens"] for v in done.values() for e in v.values())})
+            self.listener("progress", progress)
+
+        parallel = pool.executor is not None  # still running from the filters
+        if tasks and not parallel:
+            # Starting a pool costs a second or two; it pays only when tokenising is slow (subword
+            # models), not for bytes or characters: time the first shard here and decide.
+            started = time.perf_counter()
+            finished(pool.local.tokenize_part(tasks[0]))
+            rate = spooled[(tasks[0].split, tasks[0].index)] / max(time.perf_counter() - started, 1e-6)
+            tasks = tasks[1:]
+            parallel = sum(spooled[(t.split, t.index)] for t in tasks) / rate > POOL_WORTH_S
+        for entry in pool.map("tokenize_part", tasks, parallel=parallel):
+            finished(entry)
 
     # -- the index ---------------------------------------------------------------------------------
 

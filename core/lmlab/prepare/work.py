@@ -202,22 +202,22 @@ class Workers:
         return True
 
     def _shared(self, method: str, local, items: Iterator) -> Iterator:
-        # Each pool worker that has started (its ping is back) gets up to two tasks queued; while the
-        # oldest task is not back (the pool starting, or simply busy), this process runs the next task
-        # itself. Results wait in `pending`, in task order, bounded so that memory stays bounded.
-        window_per_worker, limit = 2, 2 * (self.n - 1) + 4
+        # Each pool worker that has started (its ping is back) is kept two tasks busy; while the oldest
+        # task is not back (the pool starting, or simply busy), this process runs the next task itself.
+        # Results wait in `pending`, in task order, bounded so that memory stays bounded.
+        busy_per_worker, limit = 2, 4 * self.n + 4
         pending: deque = deque()
-        in_flight = 0
         exhausted = False
         while True:
             ready = sum(ping.done() for ping in self._pings)
-            while not exhausted and in_flight < window_per_worker * ready and len(pending) < limit:
+            busy = sum(isinstance(p, Future) and not p.done() for p in pending)
+            while not exhausted and busy < busy_per_worker * ready and len(pending) < limit:
                 item = next(items, _END)
                 if item is _END:
                     exhausted = True
                     break
                 pending.append(self.executor.submit(_run, method, item))
-                in_flight += 1
+                busy += 1
             head = pending[0] if pending else None
             waiting = head is None or (isinstance(head, Future) and not head.done())
             if waiting and not exhausted and len(pending) < limit:
@@ -230,11 +230,7 @@ class Workers:
             if head is None:
                 return
             pending.popleft()
-            if isinstance(head, Future):
-                in_flight -= 1
-                yield head.result()
-            else:
-                yield head.value
+            yield head.result() if isinstance(head, Future) else head.value
 
     def close(self) -> None:
         if self.executor is None:

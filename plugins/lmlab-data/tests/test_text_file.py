@@ -166,3 +166,29 @@ def test_a_read_failure_is_a_user_error_naming_the_file(tmp_path, monkeypatch):
 def test_reads_the_standard_librarys_encodings_package():
     docs = list(source(path=str(STDLIB / "encodings" / "*.py")).documents())
     assert len(docs) > 50 and any("Codec" in d for d in docs)
+
+
+def test_patterns_match_what_glob_matches(tmp_path):
+    import glob
+
+    from lmlab_data.files import expand
+
+    for name in ("a.py", "b.txt", ".hidden.py", "x/c.py", "x/y/d.py", "x/.h/e.py", ".git/f.py", "z/test/g.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    for pattern in ("**/*.py", "*.py", "x/*/*.py", "**/test/*.py", "x/**", ".*.py", "*/y/d.py"):
+        full = str(tmp_path / pattern)
+        expected = sorted(p for p in glob.glob(full, recursive=True) if Path(p).is_file())
+        assert sorted(set(expand(full))) == expected, pattern
+
+
+def test_excluded_folders_are_not_even_walked(tmp_path, monkeypatch):
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "a.txt").write_text("a")
+    (tmp_path / "vendor").mkdir()
+    (tmp_path / "vendor" / "b.txt").write_text("b")
+    plugin = source(path=str(tmp_path / "**" / "*.txt"), exclude=["*/vendor/*"])
+    walked = []
+    real_scandir = os.scandir
+    monkeypatch.setattr("lmlab_data.files.os.scandir", lambda d: walked.append(Path(d).name) or real_scandir(d))
+    assert list(plugin.documents()) == ["a"] and walked and "vendor" not in walked

@@ -22,8 +22,8 @@ from typing import Any, Iterator, Literal
 
 from pydantic import field_validator
 
-from lmlab.api import DataSource, Field, Record, UserError
-from lmlab_data.files import READ_ERRORS, FilesOptions, fingerprint, open_text, read_error
+from lmlab.api import Field, Record, UserError
+from lmlab_data.files import READ_ERRORS, FileSource, FilesOptions, open_text, read_error
 
 PROMPT_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -53,7 +53,7 @@ class AlpacaOptions(FilesOptions):
         return value
 
 
-class Alpaca(DataSource):
+class Alpaca(FileSource):
     Options = AlpacaOptions
     api = ">=1.3,<2"  # lmlab.api.Record
 
@@ -64,7 +64,7 @@ class Alpaca(DataSource):
     def documents(self) -> Iterator[Record]:
         self.records_skipped = self.files_skipped = 0
         o = self.options
-        for path in o.files():
+        for path in self.files():
             try:
                 yield from self._file(path)
             except READ_ERRORS as exc:
@@ -120,8 +120,6 @@ class Alpaca(DataSource):
         self.records_skipped += 1
         return None
 
-    def fingerprint(self) -> str:
-        return fingerprint(self.options, super().fingerprint())
 
     def stats(self) -> dict[str, int]:
         counts = {"records_skipped": self.records_skipped, "files_skipped": self.files_skipped}

@@ -14,11 +14,11 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Iterator, Literal
 
 from pydantic import ValidationInfo, field_validator
 
-from lmlab.api import DataOptions, Field, UserError
+from lmlab.api import DataOptions, DataSource, Field, UserError
 
 CHUNK = 1 << 20  # read and hash in 1 MiB pieces: a corpus need not fit in memory
 
@@ -62,7 +62,7 @@ class FilesOptions(DataOptions):
     def _matches_files(cls, value):
         for pattern in ([value] if isinstance(value, str) else value):
             if glob.has_magic(pattern):
-                if not any(os.path.isfile(p) for p in glob.iglob(pattern, recursive=True)):
+                if next(expand(pattern), None) is None:
                     raise ValueError(f"no file matches {pattern!r}")
             elif os.path.isdir(pattern):
                 raise ValueError(f"{pattern!r} is a folder; name its files with a pattern such as "
@@ -75,12 +75,49 @@ class FilesOptions(DataOptions):
         """Every file the options name, sorted, each once, without the excluded ones."""
         found: set[str] = set()
         for pattern in ([self.path] if isinstance(self.path, str) else self.path):
-            if glob.has_magic(pattern):
-                found.update(p for p in glob.iglob(pattern, recursive=True) if os.path.isfile(p))
-            else:
-                found.add(pattern)
-        keep = (p for p in found if not any(fnmatch.fnmatch(p, x) for x in self.exclude))
+            found.update(expand(pattern, self.exclude) if glob.has_magic(pattern) else [pattern])
+        keep = (p for p in found if not _excluded(p, self.exclude))
         return [Path(p) for p in sorted(keep)]
+
+
+def expand(pattern: str, exclude: list[str] = ()) -> Iterator[str]:
+    """The files matching a glob pattern (``**`` for any number of folders; names starting with a dot
+    only when the pattern says so, as :mod:`glob`), without walking into folders that ``exclude``
+    leaves out whole (a pattern such as ``*/site-packages/*``)."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    yield from _match(os.path.join(*parts[:fixed]) if fixed else ".", parts[fixed:], exclude)
+
+
+def _match(directory: str, rest: tuple[str, ...], exclude) -> Iterator[str]:
+    if not rest:
+        if os.path.isfile(directory):
+            yield directory
+        return
+    head, tail = rest[0], rest[1:]
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # not a folder, or unreadable: nothing matches below it
+        return
+    if head == "**":
+        if not tail:  # a pattern ending in ** matches every file below
+            for entry in entries:
+                if entry.is_file() and not entry.name.startswith("."):
+                    yield entry.path
+        yield from _match(directory, tail, exclude)  # no folder at all
+        for entry in entries:
+            if entry.is_dir() and not entry.name.startswith(".") and not _excluded(entry.path + os.sep, exclude):
+                yield from _match(entry.path, rest, exclude)
+        return
+    for entry in entries:
+        if fnmatch.fnmatchcase(entry.name, head) and (head.startswith(".") or not entry.name.startswith(".")):
+            if tail and (not entry.is_dir() or _excluded(entry.path + os.sep, exclude)):
+                continue
+            yield from _match(entry.path, tail, exclude)
+
+
+def _excluded(path: str, exclude) -> bool:
+    return any(fnmatch.fnmatch(path, pattern) for pattern in exclude)
 
 
 def open_text(path: Path, encoding: str) -> IO[str]:
@@ -102,17 +139,26 @@ def read_error(path: Path, encoding: str, exc: Exception) -> UserError:
 READ_ERRORS = (OSError, UnicodeDecodeError, EOFError)  # EOFError: a truncated .gz
 
 
-def fingerprint(options: FilesOptions, base: str) -> str:
-    """SHA-256 of ``base`` (the options), the file names and their bytes."""
-    digest = hashlib.sha256(base.encode())
-    for path in options.files():
-        digest.update(f"\0{path}\0".encode())
-        try:
-            with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-        except OSError as exc:
-            if options.bad_file == "fail":
-                raise read_error(path, options.encoding, exc) from exc
-            digest.update(b"\0unreadable\0")
-    return digest.hexdigest()
+class FileSource(DataSource):
+    """A data source that reads the files its options name. The file list is taken once per instance,
+    so the fingerprint and the documents always agree on it (and a large tree is walked once)."""
+
+    def files(self) -> list[Path]:
+        if getattr(self, "_files", None) is None:
+            self._files = self.options.files()
+        return self._files
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the options, the file names and their bytes."""
+        digest = hashlib.sha256(super().fingerprint().encode())
+        for path in self.files():
+            digest.update(f"\0{path}\0".encode())
+            try:
+                with open(path, "rb") as f:
+                    while chunk := f.read(CHUNK):
+                        digest.update(chunk)
+            except OSError as exc:
+                if self.options.bad_file == "fail":
+                    raise read_error(path, self.options.encoding, exc) from exc
+                digest.update(b"\0unreadable\0")
+        return digest.hexdigest()

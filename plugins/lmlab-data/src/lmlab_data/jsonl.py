@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from lmlab.api import DataSource, Field, UserError
-from lmlab_data.files import READ_ERRORS, FilesOptions, fingerprint, open_text, read_error
+from lmlab.api import Field, UserError
+from lmlab_data.files import READ_ERRORS, FileSource, FilesOptions, open_text, read_error
 
 
 class JsonlOptions(FilesOptions):
@@ -23,7 +23,7 @@ class JsonlOptions(FilesOptions):
                      '"skip" leaves it out')
 
 
-class Jsonl(DataSource):
+class Jsonl(FileSource):
     Options = JsonlOptions
 
     def __init__(self, options: JsonlOptions | None = None):
@@ -33,7 +33,7 @@ class Jsonl(DataSource):
     def documents(self) -> Iterator[str]:
         self.lines_skipped = self.files_skipped = 0
         o = self.options
-        for path in o.files():
+        for path in self.files():
             try:
                 with open_text(path, o.encoding) as f:
                     for number, line in enumerate(f, 1):
@@ -66,8 +66,6 @@ class Jsonl(DataSource):
         self.lines_skipped += 1
         return None
 
-    def fingerprint(self) -> str:
-        return fingerprint(self.options, super().fingerprint())
 
     def stats(self) -> dict[str, int]:
         counts = {"lines_skipped": self.lines_skipped, "files_skipped": self.files_skipped}

@@ -10,8 +10,8 @@ names and bytes, so editing a file invalidates the token cache.
 
 from typing import Iterator
 
-from lmlab.api import DataSource, Field
-from lmlab_data.files import CHUNK, READ_ERRORS, FilesOptions, fingerprint, open_text, read_error
+from lmlab.api import Field
+from lmlab_data.files import CHUNK, READ_ERRORS, FileSource, FilesOptions, open_text, read_error
 
 
 class TextFileOptions(FilesOptions):
@@ -19,7 +19,7 @@ class TextFileOptions(FilesOptions):
                                     "empty: one document per file")
 
 
-class TextFile(DataSource):
+class TextFile(FileSource):
     Options = TextFileOptions
 
     def __init__(self, options: TextFileOptions | None = None):
@@ -29,7 +29,7 @@ class TextFile(DataSource):
     def documents(self) -> Iterator[str]:
         self.skipped = 0
         o = self.options
-        for path in o.files():
+        for path in self.files():
             try:
                 with open_text(path, o.encoding) as f:
                     if o.separator:
@@ -42,8 +42,6 @@ class TextFile(DataSource):
                     raise read_error(path, o.encoding, exc) from exc
                 self.skipped += 1
 
-    def fingerprint(self) -> str:
-        return fingerprint(self.options, super().fingerprint())
 
     def stats(self) -> dict[str, int]:
         return {"files_skipped": self.skipped} if self.skipped else {}
