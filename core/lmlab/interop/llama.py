@@ -2,7 +2,7 @@
 
 A Llama is an lmlab model with RMSNorm, `rope` positions, `gqa` attention, a `swiglu` ffn and an
 untied head. The names below are manifest values and the parameter names those first-party
-plugins document (attention `qkv_proj`/`out_proj`, ffn `gate_proj`/`up_proj`/`down_proj`); nothing
+plugins document (attention `q_proj`/`k_proj`/`v_proj`/`out_proj`, ffn `gate_proj`/`up_proj`/`down_proj`); nothing
 here imports a plugin: the model is assembled through discovery like any manifest's.
 
     from transformers import LlamaForCausalLM
@@ -57,16 +57,14 @@ def build(tables: dict) -> LanguageModel:
 
 
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    """Rename (and fuse q, k, v of) a LlamaForCausalLM state dict into lmlab's names."""
+    """Rename a LlamaForCausalLM state dict into lmlab's names."""
     out = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"],
            "head.weight": hf_state.get("lm_head.weight", hf_state["model.embed_tokens.weight"])}
     for i in range(n_layers):
         hf, lm = f"model.layers.{i}.", f"blocks.{i}."
         for suffix in ("weight", "bias"):
-            parts = [hf_state.get(f"{hf}self_attn.{p}_proj.{suffix}") for p in "qkv"]
-            if all(p is not None for p in parts):
-                out[f"{lm}attn.qkv_proj.{suffix}"] = torch.cat(parts)  # rows: queries, keys, values
-            for theirs, ours in (("self_attn.o_proj", "attn.out_proj"), ("mlp.gate_proj", "ffn.gate_proj"),
+            for theirs, ours in (("self_attn.q_proj", "attn.q_proj"), ("self_attn.k_proj", "attn.k_proj"),
+                                 ("self_attn.v_proj", "attn.v_proj"), ("self_attn.o_proj", "attn.out_proj"), ("mlp.gate_proj", "ffn.gate_proj"),
                                  ("mlp.up_proj", "ffn.up_proj"), ("mlp.down_proj", "ffn.down_proj")):
                 if f"{hf}{theirs}.{suffix}" in hf_state:
                     out[f"{lm}{ours}.{suffix}"] = hf_state[f"{hf}{theirs}.{suffix}"]

@@ -72,7 +72,7 @@ def reference_attention(x, attn, position=None):
     B, T, C = x.shape
     H, Hkv = attn.n_heads, attn.n_kv_heads
     hs = C // H
-    wq, wk, wv = attn.qkv_proj.weight.split([H * hs, Hkv * hs, Hkv * hs], dim=0)
+    wq, wk, wv = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
     q = (x @ wq.T).view(B, T, H, hs).transpose(1, 2)
     k = (x @ wk.T).view(B, T, Hkv, hs).transpose(1, 2)
     v = (x @ wv.T).view(B, T, Hkv, hs).transpose(1, 2)
@@ -100,9 +100,9 @@ def test_gqa_with_n_kv_heads_equal_to_n_heads_equals_torch_multihead_attention()
     shape = make_shape(bias=True)
     attn = build_attention("gqa", shape, n_kv_heads=4)
     torch_mha = nn.MultiheadAttention(32, 4, bias=True, batch_first=True).eval()
-    with torch.no_grad():  # torch packs q, k, v rows in that order, as qkv_proj does
-        torch_mha.in_proj_weight.copy_(attn.qkv_proj.weight)
-        torch_mha.in_proj_bias.copy_(attn.qkv_proj.bias)
+    with torch.no_grad():  # torch packs q, k, v rows in that order
+        torch_mha.in_proj_weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        torch_mha.in_proj_bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
         torch_mha.out_proj.weight.copy_(attn.out_proj.weight)
         torch_mha.out_proj.bias.copy_(attn.out_proj.bias)
     x = torch.randn(2, 7, 32)
@@ -122,7 +122,7 @@ def test_gqa_with_one_kv_head_equals_mqa():
 
 def test_gqa_with_two_kv_heads_equals_reference_with_kv_heads_repeated():
     attn = build_attention("gqa", make_shape(), n_kv_heads=2)
-    assert attn.qkv_proj.weight.shape == (32 + 2 * 2 * 8, 32)  # half the keys and values of MHA
+    assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (2 * 8, 32)  # half the keys and values of MHA
     x = torch.randn(2, 7, 32)
     y = attn(x, MixerContext(PositionModule(), torch.arange(7)))
     torch.testing.assert_close(y, reference_attention(x, attn), rtol=1e-5, atol=1e-5)
@@ -201,6 +201,7 @@ def test_reset_parameters_scales_the_output_projection_and_zeroes_biases():
     shape = make_shape(n_layers=8, d_model=64, bias=True)
     attn = plugin("attention", "mha").build(shape, layer=0)
     attn.reset_parameters(shape)
-    for weight, std in [(attn.qkv_proj.weight, shape.init_std), (attn.out_proj.weight, shape.residual_init_std)]:
+    for weight, std in [(attn.q_proj.weight, shape.init_std), (attn.k_proj.weight, shape.init_std),
+                        (attn.v_proj.weight, shape.init_std), (attn.out_proj.weight, shape.residual_init_std)]:
         assert abs(weight.std().item() - std) < 0.1 * std
-    assert all(not lin.bias.any() for lin in (attn.qkv_proj, attn.out_proj))
+    assert all(not lin.bias.any() for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))

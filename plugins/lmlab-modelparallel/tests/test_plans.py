@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def test_each_plan_on_two_processes_computes_what_the_unsharded_module_computes(tmp_path):
-    # Outputs, input gradients, every parameter after one SGD step (the fused qkv projection's rows
-    # included), parameter names, and a single-device state dict loaded into the shards.
+    # Outputs, input gradients, every parameter after one SGD step, parameter names, and a
+    # single-device state dict loaded into the shards.
     out = tmp_path / "plans.json"
     script = Path(__file__).with_name("dist_plans.py")
     result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,

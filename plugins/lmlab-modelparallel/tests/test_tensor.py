@@ -53,8 +53,7 @@ def test_tensor_parallel_on_two_processes_trains_exactly_what_one_device_does(tm
     from lmlab.testing import check_parallel_matches_single
 
     # Both processes form one tensor-parallel group: one replica, the same batch as one device.
-    # GQA (2 kv heads: one per rank), SwiGLU and RoPE; the fused qkv_proj is split section by
-    # section. Measured: the largest difference over 20 steps is about 2e-7 (float32 summation order).
+    # GQA (2 kv heads: one per rank), SwiGLU and RoPE. Measured: the largest difference over 20 steps is about 2e-7 (float32 summation order).
     architecture = '\n[attention]\nuse = "gqa"\nn_kv_heads = 2\n\n[ffn]\nuse = "swiglu"\n\n[position]\nuse = "rope"\n'
     check_parallel_matches_single('use = "tensor"\ndevices = 2\naccelerator = "cpu"\ntensor_parallel_size = 2',
                                   tmp_path, replicas=1, processes=2, atol=1e-5, extra_manifest=architecture)

@@ -79,7 +79,7 @@ def test_mha_with_alibi_equals_explicit_softmax_reference():
     x, positions = torch.randn(B, T, 32), torch.arange(T)
     got = attn(x, MixerContext(position=alibi, positions=positions))
 
-    q, k, v = (t.view(B, T, H, hs).transpose(1, 2) for t in attn.qkv_proj(x).split(32, dim=-1))
+    q, k, v = (t.view(B, T, H, hs).transpose(1, 2) for t in (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)))
     slopes = torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
     distance = (positions[:, None] - positions[None, :]).float()
     scores = q @ k.transpose(-2, -1) / math.sqrt(hs) - slopes[:, None, None] * distance
