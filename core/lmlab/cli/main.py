@@ -16,6 +16,7 @@ VERBS = {
     "plugins": "lists installed plugins per slot, and known ones that are not installed",
     "compare": "tabulates the variants of a runs folder (seeds pooled, tested against a baseline), with plots",
     "generate": "generates text from a trained run",
+    "eval": "scores a trained run's greedy answers to held-out instruction records (exact match)",
     "rerun": "trains a run again from its recorded manifest and says where the environment differs",
     "new-plugin": "scaffolds a third-party plugin distribution (code, tests, README, example manifest)",
     "schema": "prints the JSON Schema of manifests, with the options of every installed plugin",
