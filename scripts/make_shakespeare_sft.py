@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "data" / "tinyshakespeare.txt"
 HELD_OUT_EVERY = 10
-MIN_CHARS, MAX_CHARS = 20, 60  # lines worth asking about, short enough for a 256-token window
+MIN_CHARS, MAX_CHARS = 20, 50  # lines worth asking about, short enough for a 192-token window
 
 
 def speeches(text: str) -> list[tuple[str, list[str]]]:

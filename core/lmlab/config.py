@@ -1,8 +1,10 @@
-"""The core's own manifest tables: ``[model]`` (the shared shape) and ``[train]`` (the loop)."""
+"""The core's own manifest tables: ``[model]`` (the shared shape), ``[train]`` (the loop) and ``[init]``
+(the weights a fine-tune starts from)."""
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import ConfigDict, model_validator
 
 from lmlab.api import Field, Options
 
@@ -63,4 +65,23 @@ class TrainOptions(Options):
         return self
 
 
-CORE_TABLES: dict[str, type[Options]] = {"model": ModelOptions, "train": TrainOptions}
+class InitOptions(Options):
+    """Start from trained weights: an lmlab run folder, one of its checkpoints, or a local Hugging Face
+    Llama-family folder; the model's shape and tokenizer are the init's (see ``lmlab.pretrained``)."""
+
+    # `from` is a Python keyword: the field is from_, the manifest key (and what is written back) `from`.
+    model_config = ConfigDict(serialize_by_alias=True)
+
+    from_: Path = Field(..., alias="from", help="a run folder (holds manifest.toml), a checkpoint file in one, "
+                                                "or a Hugging Face folder (config.json, *.safetensors, "
+                                                "tokenizer.json); relative to the manifest")
+    checkpoint: Literal["best", "last"] = Field(
+        "best", help="a run folder's checkpoints/best.ckpt (by val loss; last.ckpt when there is none) or "
+                     "last.ckpt; ignored for a checkpoint file or a Hugging Face folder")
+    strict: bool = Field(True, help="every weight of the model must come from the init (false: weights the init "
+                                    "lacks keep their fresh initialisation, and extra ones are ignored)")
+
+
+CORE_TABLES: dict[str, type[Options]] = {"model": ModelOptions, "train": TrainOptions, "init": InitOptions}
+#: Core tables resolved only when a manifest has them (the others are filled with their defaults).
+OPTIONAL_TABLES = frozenset({"init"})

@@ -17,7 +17,7 @@ from lmlab.discovery import MANY_SLOTS, SLOTS, did_you_mean
 from lmlab.errors import UserError
 
 TOP_LEVEL = ("name", "seed", "description", "sweep")
-CORE_TABLE_NAMES = ("model", "train")
+CORE_TABLE_NAMES = ("model", "train", "init")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
 
@@ -71,14 +71,26 @@ def read_toml(path: Path) -> dict:
         raise UserError(f"malformed TOML: {exc}", key=str(path)) from None
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> list[Variant]:
-    """Every variant of the manifest at ``path`` with ``overrides`` ("dotted.key=value") applied."""
+def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True) -> list[Variant]:
+    """Every variant of the manifest at ``path`` with ``overrides`` ("dotted.key=value") applied.
+
+    ``resolve_init=False`` leaves out the ``[init]`` table: for a run folder's own manifest.toml, whose
+    tables are resolved already and whose weights come from its own checkpoints (``lmlab generate``),
+    so that the run still loads when the run it was fine-tuned from has moved.
+    """
     path = Path(path)
     raw = read_toml(path)
+    if not resolve_init:
+        raw.pop("init", None)
     merged = _deep_merge(_defaults(), raw)
+    explicit = _dotted_keys(raw)
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(merged, key, value, source=f"--set {item}")
+        explicit.append(key)
+    # What the user set, as opposed to the defaults: [init] refuses only values the user gave that
+    # contradict the init (lmlab.pretrained); the sweep's keys are added per variant.
+    merged["_explicit"] = explicit
     sweep = merged.pop("sweep", {})
     if not isinstance(sweep, dict):
         raise UserError("must be a table of dotted keys to lists", key="sweep")

@@ -70,9 +70,12 @@ class LanguageModel(nn.Module):
     """Token embedding → position → blocks → final norm → (tied) head; see ``lmlab.api.LanguageModel``."""
 
     def __init__(self, shape: ModelShape, *, position, attention, ffn, norm: str = "layernorm",
-                 norm_eps: float = 1e-5, tie_embeddings: bool = True):
+                 norm_eps: float = 1e-5, tie_embeddings: bool = True, causal: bool = True):
         super().__init__()
         self.shape = shape
+        # False for a bidirectional objective (masked LM): every mixer sees the whole window. The
+        # caller (train.build) has checked that the attention plugin supports it.
+        self.causal = causal
         self.block_size = shape.block_size
         self.vocab_size = shape.vocab_size
         self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
@@ -137,7 +140,7 @@ class LanguageModel(nn.Module):
             raise ValueError(f"positions up to {start + T - 1} requested; this model's position scheme covers "
                              f"0..{self.max_context - 1} (model.block_size); crop the context")
         positions = torch.arange(start, start + T, device=idx.device)
-        ctx = MixerContext(position=self.position, positions=positions, start=start)
+        ctx = MixerContext(position=self.position, positions=positions, start=start, causal=self.causal)
         first, stop = self.span
         if first == 0:
             x = self.dropout(self.position.embed(self.tok_emb(idx), positions))  # (B, T, C)
@@ -163,6 +166,9 @@ class LanguageModel(nn.Module):
             raise ValueError(f"max_len {max_len} exceeds the model's context of {self.max_context}")
         if self.span != (0, len(self.blocks)):
             raise ValueError("a pipeline stage cannot decode: load the checkpoint into a whole model")
+        if not self.causal:
+            raise ValueError("a bidirectional model (trained with a non-causal objective such as mlm) cannot "
+                             "decode left to right")
         p = self.head.weight
         states = [b.attn.new_state(batch_size, max_len, p.device, p.dtype) for b in self.blocks]
         return InferenceCache(states, max_len)
@@ -176,7 +182,14 @@ class LanguageModel(nn.Module):
                 for name, p in self.named_parameters() if p.requires_grad]
 
     def num_params(self, trainable_only: bool = False) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+        return sum(_logical_numel(p) for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def _logical_numel(p: torch.Tensor) -> int:
+    # A 4-bit quantised weight (bitsandbytes' Params4bit, under the qlora peft plugin) is stored as
+    # packed bytes, two weights each; count the weights it stands for, with the shape it records.
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else p.numel()
 
 
 class StepLoss(NamedTuple):

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lmlab import discovery
-from lmlab.config import CORE_TABLES
+from lmlab.config import CORE_TABLES, OPTIONAL_TABLES
 from lmlab.discovery import MANY_SLOTS, SLOTS, did_you_mean
 from lmlab.errors import UserError
 from lmlab.manifest import NAME_PATTERN, TOP_LEVEL, Variant
@@ -21,8 +21,11 @@ REQUIRED_SLOTS = ("data", "tokenizer", "position", "attention", "ffn", "objectiv
 def validate_variant(variant_name: str, manifest: dict, base_dir: Path) -> Variant:
     sweep_keys = manifest.pop("_sweep", {})
     switched = set(manifest.pop("_switched", []))
+    explicit = manifest.pop("_explicit", None)
+    if explicit is not None:
+        explicit = [*explicit, *sweep_keys]
     try:
-        return _validate(variant_name, manifest, base_dir, switched)
+        return _validate(variant_name, manifest, base_dir, switched, explicit)
     except UserError as exc:
         if exc.key and any(exc.key == k or exc.key.startswith(k + ".") or k.startswith(exc.key + ".")
                            for k in sweep_keys):
@@ -30,7 +33,8 @@ def validate_variant(variant_name: str, manifest: dict, base_dir: Path) -> Varia
         raise
 
 
-def _validate(variant_name: str, manifest: dict, base_dir: Path, switched: set) -> Variant:
+def _validate(variant_name: str, manifest: dict, base_dir: Path, switched: set,
+              explicit: list[str] | None = None) -> Variant:
     known = (*TOP_LEVEL, *SLOTS, *CORE_TABLES)
     for key in manifest:
         if key not in known:
@@ -46,7 +50,15 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, switched: set) 
         raise UserError("must be a string", key="description")
 
     resolved: dict[str, Any] = {"name": name, "seed": seed, "description": manifest.get("description", "")}
+    if "init" in manifest:
+        # A fine-tune: the shape and tokenizer tables become the init's, before anything is validated.
+        from lmlab import pretrained
+
+        init = validate_options(CORE_TABLES["init"], manifest["init"], "init", base_dir)
+        manifest = pretrained.merge_tables(manifest, init, explicit, base_dir)
     for table, options_cls in CORE_TABLES.items():
+        if table in OPTIONAL_TABLES and table not in manifest:
+            continue
         values = manifest.get(table, {})
         if not isinstance(values, dict):
             raise UserError("must be a table", key=table)
@@ -121,7 +133,8 @@ def _user_error(exc: ValidationError, options_cls, prefix: str, plugin: str | No
     key = f"{prefix}.{loc}" if loc else prefix
     owner = f" of plugin {plugin!r}" if plugin else f" in [{prefix}]"
     if first["type"] == "extra_forbidden":
-        message = f"unknown option{owner}{did_you_mean(loc, options_cls.model_fields)}"
+        names = [field.alias or name for name, field in options_cls.model_fields.items()]  # [init] `from`
+        message = f"unknown option{owner}{did_you_mean(loc, names)}"
     else:
         message = first["msg"]
         if first["type"] != "missing":

@@ -35,6 +35,14 @@ class FFNModule(nn.Module):
         """
         return None
 
+    def peft_roles(self) -> dict[str, str]:
+        """Which submodules play which role for PEFT methods (API 1.4): role → submodule name, with
+        ``up`` (into the hidden width), ``down`` (back to ``d_model``) and ``gate`` (a GLU's gate
+        projection), e.g. ``{"up": "c_fc", "down": "c_proj"}``. Same contract as
+        :meth:`lmlab.api.AttentionModule.peft_roles`; the default, empty, offers nothing to adapt
+        by role (MoE experts held as stacked weight tensors)."""
+        return {}
+
 
 class FFN(Plugin):
     slot = "ffn"

@@ -44,8 +44,22 @@ class Tokenizer(Plugin):
 
     @property
     def eos_id(self) -> int | None:
-        """Id that ends a document, when the tokenizer has one."""
+        """Id that ends a document, when the tokenizer has one: ``lmlab prepare`` places it after every
+        document of a corpus of several documents."""
         return None
+
+    @property
+    def pad_id(self) -> int | None:
+        """Id reserved for padding, which ``encode`` never produces, when the tokenizer has one (API 1.4)."""
+        return None
+
+    def special_id(self, name: str) -> int | None:
+        """The id of the tokenizer's own special token ``name`` ("mask" for a [MASK] token, ...), when it
+        has one (API 1.4). An objective's special tokens (``Objective.special_tokens``) take this id;
+        those the tokenizer lacks get ids past its vocabulary. Names with a fixed meaning: "eos" (=
+        :attr:`eos_id`), "pad" (= :attr:`pad_id`), "unk" (what unknown input becomes), "bos", "mask".
+        Default: :attr:`eos_id` and :attr:`pad_id` for "eos" and "pad", else none."""
+        return {"eos": self.eos_id, "pad": self.pad_id}.get(name)
 
     def save(self, directory: Path) -> None:
         """Write the fitted state into ``directory`` (which exists). Default: nothing to write."""

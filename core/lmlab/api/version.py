@@ -23,6 +23,22 @@ plugin whose range excludes this version. Bump the minor version when the API ga
      clipping for sharded or split models); ``LanguageModel.pipeline_stage(start, stop)``;
      ``Parallel.memory_layout`` (how a layout divides parameters, gradients and optimizer state, for
      ``lmlab plan``).
+
+1.4: Objectives say what they need (``lmlab.api.objective``): ``Objective.causal`` (False: the model is
+     built with ``MixerContext.causal = False``, bidirectional attention, which an attention plugin
+     supports by declaring ``Attention.bidirectional = True``; others are refused naming ``attention.use``),
+     ``Objective.special_tokens`` with ``Objective.setup(Vocabulary)`` (ids from ``Tokenizer.special_id``
+     or reserved past the tokenizer's vocabulary, growing the model's), ``Objective.sampling``
+     ("windows" or padded "documents"), ``Objective.token_labels(TokenSplit)`` (per-token labels
+     sampled with the windows, e.g. the prepared loss mask), and ``Objective.make_batch_from(Windows)``
+     (tokens, labels, padding and a random stream seeded by seed and step, sliced per data-parallel
+     replica from the global batch).
+     ``Tokenizer.pad_id`` (default None); ``Tokenizer.special_id`` defaults to ``eos_id``/``pad_id`` for
+     "eos"/"pad" and names "unk", "bos", "mask" as the other roles with a fixed meaning.
+     ``Peft``, the base class of the peft slot (``apply`` once at build time, ``is_adapter_key``,
+     ``merge``, ``regularization``, ``extra_state``, ``parallel``), with ``AttentionModule.peft_roles`` /
+     ``FFNModule.peft_roles`` (role → submodule: q/k/v/o, up/down/gate) and ``module_roles`` /
+     ``resolve_roles`` (roles → full module names of the model).
 """
 
-API_VERSION = "1.3"
+API_VERSION = "1.4"

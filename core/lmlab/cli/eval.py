@@ -25,19 +25,19 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from lmlab import manifest
     from lmlab.api import Record
-    from lmlab.checkpoint import best_or_last, load_model_weights
     from lmlab.evaluate import answer_all, exact_match
-    from lmlab.train import build
+    from lmlab.trained import load_run, refuse_bidirectional
 
-    manifest_path = args.run_dir / "manifest.toml"
-    if not manifest_path.is_file():
+    if not (args.run_dir / "manifest.toml").is_file():
         raise UserError("is not a run folder (no manifest.toml)", key=str(args.run_dir))
     if not args.data.is_file():
         raise UserError("no such file", key=str(args.data))
     if args.limit is not None and args.limit < 1:
         raise UserError("must be positive", key="--limit")
+    # The run's own data plugin reads the records, pointed at the held-out file: same template.
     overrides = [*args.overrides, f"data.path={json.dumps(str(args.data.resolve()))}"]
-    (variant,) = manifest.load(manifest_path, overrides)
+    (variant,) = manifest.load(args.run_dir / "manifest.toml", overrides, resolve_init=False)
+    refuse_bidirectional(variant)
     records = []
     for doc in variant.instantiate("data").documents():
         if not isinstance(doc, Record):
@@ -48,13 +48,8 @@ def main(args) -> int:
             break
     if not records:
         raise UserError("holds no records", key=str(args.data))
-    tokenizer = variant.instantiate("tokenizer")
-    tokenizer.load(args.run_dir / "tokenizer")
-    plugins = {slot: variant.instantiate(slot) for slot in ("position", "attention", "ffn")}
-    shape = build.model_shape(variant, tokenizer.vocab_size)
-    model = build.build_model(variant, shape, plugins)
-    load_model_weights(model, best_or_last(args.run_dir))
-    answers = answer_all(model, tokenizer, records, stop=args.stop)
+    run = load_run(args.run_dir, args.overrides)
+    answers = answer_all(run.model, run.tokenizer, records, stop=args.stop)
     score = exact_match(answers)
     if args.out is not None:
         tmp = args.out.with_name(args.out.name + ".tmp")

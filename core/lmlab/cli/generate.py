@@ -15,23 +15,13 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from lmlab import manifest
-    from lmlab.checkpoint import best_or_last, load_model_weights
     from lmlab.sampling import generate_text
-    from lmlab.train import build
+    from lmlab.trained import load_run, refuse_bidirectional
 
-    manifest_path = args.run_dir / "manifest.toml"
-    if not manifest_path.is_file():
-        raise UserError("is not a run folder (no manifest.toml)", key=str(args.run_dir))
     if args.max_new_tokens < 1:
         raise UserError("must be positive", key="--max-new-tokens")
-    (variant,) = manifest.load(manifest_path, args.overrides)
-    tokenizer = variant.instantiate("tokenizer")
-    tokenizer.load(args.run_dir / "tokenizer")
-    plugins = {slot: variant.instantiate(slot) for slot in ("position", "attention", "ffn", "decoding")}
-    shape = build.model_shape(variant, tokenizer.vocab_size)
-    model = build.build_model(variant, shape, plugins)
-    load_model_weights(model, best_or_last(args.run_dir))
-    print(args.prompt + generate_text(model, tokenizer, plugins["decoding"], args.prompt,
+    run = load_run(args.run_dir, args.overrides, slots=("decoding",))
+    refuse_bidirectional(run.variant)
+    print(args.prompt + generate_text(run.model, run.tokenizer, run.plugins["decoding"], args.prompt,
                                       args.max_new_tokens, seed=args.seed))
     return 0

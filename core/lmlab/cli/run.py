@@ -119,7 +119,7 @@ def _run_here(todo: list, say) -> int:
         print(f"[{variant.name}] val_loss {s['val_loss']:.4f} (ppl {s['val_ppl']:.2f}) | "
               f"{s['tokens_per_s'] or 0:,.0f} tokens/s | {s['wall_s']:.0f}s | {s['params']:,} params", flush=True)
         cfg = variant.manifest["train"]
-        if cfg["sample_tokens"]:
+        if cfg["sample_tokens"] and result.plugins["objective"].causal:  # a bidirectional model cannot generate
             text = generate_text(result.module.model, result.tokens.tokenizer, result.plugins["decoding"],
                                  cfg["sample_prompt"], cfg["sample_tokens"], seed=variant.manifest["seed"])
             print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---",

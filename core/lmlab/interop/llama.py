@@ -9,7 +9,15 @@ here imports a plugin: the model is assembled through discovery like any manifes
     hf = LlamaForCausalLM.from_pretrained(...)
     model = from_hf(hf)             # an lmlab LanguageModel with the same weights
     tables = manifest_tables(hf.config)   # the [model]/[position]/[attention]/[ffn] tables
+
+A checkpoint folder on disk (``save_pretrained``: config.json and safetensors) is read without
+transformers: ``read_config(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
+a run from one (``lmlab.pretrained``).
 """
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -82,3 +90,48 @@ def from_hf(hf_model) -> LanguageModel:
         state.pop("head.weight")
     model.load_state_dict(state, strict=not tables["model"]["tie_embeddings"])
     return model
+
+
+#: LlamaConfig's defaults, for keys a config.json leaves out (transformers writes them all; older or
+#: hand-written files may not).
+CONFIG_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
+                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                   "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+                   "head_dim": None}
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def read_config(folder: Path) -> SimpleNamespace:
+    """A Llama config.json as the attributes `manifest_tables` reads (ValueError for another family)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    kind = config.get("model_type")
+    if kind != "llama":
+        raise ValueError(f"config.json has model_type {kind!r}; lmlab reads Llama-family checkpoints "
+                         "(model_type \"llama\")")
+    values = {**CONFIG_DEFAULTS, **config}
+    values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
+    if not values.get("rope_parameters"):  # transformers < 5: rope_theta and rope_scaling apart
+        scaling = values["rope_scaling"] or {}
+        values["rope_parameters"] = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+                                     "rope_theta": values["rope_theta"]}
+    return SimpleNamespace(**values)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: one, or the shards its index names, in order."""
+    folder = Path(folder)
+    if (folder / SAFETENSORS_INDEX).is_file():
+        weight_map = json.loads((folder / SAFETENSORS_INDEX).read_text())["weight_map"]
+        return [folder / name for name in dict.fromkeys(sorted(weight_map.values()))]
+    return [folder / SAFETENSORS]
+
+
+def read_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a LlamaForCausalLM folder in lmlab's names (`state_dict_from_hf`)."""
+    from safetensors.torch import load_file
+
+    hf_state = {}
+    for path in weight_files(folder):
+        hf_state.update(load_file(path, device="cpu"))
+    return state_dict_from_hf(hf_state, read_config(folder).num_hidden_layers)

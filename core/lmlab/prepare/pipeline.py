@@ -39,6 +39,7 @@ import json
 import os
 from pathlib import Path
 
+from lmlab import pretrained
 from lmlab.prepare.report import Progress
 from lmlab.prepare.stages import FORMAT, Build, Listener
 
@@ -58,16 +59,21 @@ def default_workers() -> int:
 
 def cache_key(variant, source=None) -> str:
     """The cache entry's name: a hash of the data (``source``'s fingerprint, a fresh instance of the
-    variant's data source by default), the filters and the tokenizer, with all their options."""
+    variant's data source by default), the filters and the tokenizer, with all their options (and,
+    for a run with [init], the digest of the init's fitted tokenizer)."""
     data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
     data = source or variant.instantiate("data")
     filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]
-    blob = json.dumps({
+    parts = {
         "format": FORMAT,
         "data": [data_cls.name, data.fingerprint(), variant.manifest["data"]],
         "tokenizer": [tok_cls.name, variant.manifest["tokenizer"]],
         "filters": filters,
-    }, sort_keys=True)
+    }
+    fitted = pretrained.tokenizer_digest(variant)
+    if fitted is not None:  # [init]: the tokenizer is the init's fitted one, not fitted here
+        parts["fitted_tokenizer"] = fitted
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

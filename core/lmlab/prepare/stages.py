@@ -11,6 +11,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator
 
+from lmlab import pretrained
 from lmlab.api import Record, UserError
 from lmlab.prepare import shards, spool
 from lmlab.prepare.report import merged, new_stats, public, record
@@ -241,7 +242,12 @@ class Build:
         for folder in (scratch, saved):
             shutil.rmtree(folder, ignore_errors=True)
         scratch.mkdir()
-        tokenizer.fit_documents(self._documents("train"), scratch)
+        init_dir = pretrained.tokenizer_dir(self.variant)
+        if init_dir is not None:
+            # [init]: the init's fitted tokenizer, whose ids its weights were trained with.
+            tokenizer.load(init_dir)
+        else:
+            tokenizer.fit_documents(self._documents("train"), scratch)
         building = self.partial / ".tokenizer.tmp"
         shutil.rmtree(building, ignore_errors=True)
         building.mkdir()
@@ -262,6 +268,17 @@ class Build:
     # -- 3. tokenize -------------------------------------------------------------------------------
 
     def _tokenize(self, pool: Workers) -> None:
+        try:
+            self._tokenize_parts(pool)
+        except UserError as exc:
+            init = self.variant.manifest.get("init")
+            if not init:
+                raise
+            data = self.variant.manifest["data"].get("path") or self.variant.manifest["data"]["use"]
+            raise UserError(f"{data}: holds text that the tokenizer of [init] from = {init['from']} cannot "
+                            f"encode ({exc}); a fine-tune keeps the init's vocabulary", key="data") from None
+
+    def _tokenize_parts(self, pool: Workers) -> None:
         st = self.state
         done = st["shards"]
         tasks = []

@@ -30,6 +30,7 @@ plugin_class           yes        yes       yes  slot base, ``api`` range, Optio
 flags                             yes            acting in a place sets its flag
 output_fp32/_bf16      yes        yes       yes  shapes, dtypes, finite; bf16 near fp32
 causality              yes        yes            inputs after t leave outputs ≤ t unchanged
+bidirectional          yes                       declared: with causal False, outputs see every input
 position_wise                               yes  tokens do not interact (eval mode)
 incremental_decoding   yes        yes            cached prefill/steps/chunks = full forward
 cache_reorder          yes                       ``state.reorder`` (beam search)

@@ -6,14 +6,17 @@ position scheme in ``ctx`` is, in turn, none at all (``PositionModule()``, whose
 and :class:`~lmlab.testing.reference.ReferencePositionModule`, which rotates queries and keys and
 biases scores, so positions mishandled while decoding show up. A mixer that cannot use such a scheme
 (a state-space layer) may refuse it with a ``UserError`` and is checked without one only.
+
+A plugin that declares ``Attention.bidirectional`` is also checked with ``MixerContext.causal`` False:
+every output must then depend on every input (and, without positions, not on their order).
 """
 
 import torch
 
 from lmlab.api import AttentionModule, MixerContext, PositionModule, UserError
 from lmlab.testing import generic
-from lmlab.testing.common import (BF16, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close,
-                                  expect_mostly_close, expect_tensor, fail)
+from lmlab.testing.common import (BF16, DEPENDENT, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close,
+                                  expect_mostly_close, expect_tensor, fail, scale)
 from lmlab.testing.reference import ReferencePositionModule
 
 BATCH = 2
@@ -47,8 +50,9 @@ class AttentionSubject(Subject):
                 pass
         return self._schemes
 
-    def context(self, position: PositionModule, start: int, end: int) -> MixerContext:
-        return MixerContext(position=position, positions=torch.arange(start, end, device=self.device), start=start)
+    def context(self, position: PositionModule, start: int, end: int, causal: bool = True) -> MixerContext:
+        return MixerContext(position=position, positions=torch.arange(start, end, device=self.device), start=start,
+                            causal=causal)
 
     def example(self, seed: int, dtype: torch.dtype = torch.float32, batch: int = BATCH) -> tuple:
         x = self.randn(batch, self.shape.block_size, self.shape.d_model, seed=seed, dtype=dtype)  # (B, T, C)
@@ -112,6 +116,42 @@ def causality(subject: AttentionSubject) -> None:
                              f"outputs up to position {t} changed when only inputs after {t} did ({label})")
 
 
+def bidirectional(subject: AttentionSubject) -> None:
+    """For a plugin that declares ``Attention.bidirectional``, with ``MixerContext.causal`` False: changing
+    the inputs after position t changes the output at every position up to t, for several t, under
+    each position scheme; and without a position scheme, permuting the tokens permutes the outputs
+    alike (nothing but positions may tell tokens apart, so no mask is left). A plugin that does not
+    declare it passes: the core never builds it for a bidirectional objective."""
+    declared = getattr(subject.cls, "bidirectional", False)
+    if not isinstance(declared, bool):
+        fail(f"Attention.bidirectional must be a bool, got {declared!r}")
+    if not declared:
+        return
+    module = subject.build(subject.seed)
+    x, _ = subject.example(subject.seed + 1)
+    T = x.shape[1]
+    for label, position in subject.schemes():
+        ctx = subject.context(position, 0, T, causal=False)
+        with torch.no_grad():
+            y = module(x, ctx)
+            for t in (0, T // 2 - 1, T - 2):
+                changed = x.clone()
+                changed[:, t + 1:] = subject.randn(BATCH, T - t - 1, x.shape[2], seed=subject.seed + 10 + t)
+                moved = (module(changed, ctx)[:, :t + 1] - y[:, :t + 1]).abs().flatten(2).amax(dim=(0, 2))  # (t+1,)
+                still = (moved <= DEPENDENT * scale(y)).nonzero()
+                if len(still):
+                    p = still[0].item()
+                    fail(f"with MixerContext.causal False, the output at position {p} did not change when the inputs "
+                         f"after {t} did (by {moved[p].item():.3g}, output scale {scale(y):.3g}; {label}): the "
+                         "plugin declares bidirectional = True but does not attend to later tokens")
+    ctx = subject.context(subject.schemes()[0][1], 0, T, causal=False)
+    order = torch.randperm(T, generator=torch.Generator().manual_seed(subject.seed)).to(subject.device)
+    with torch.no_grad():
+        expect_close(module(x[:, order], ctx), module(x, ctx)[:, order], SAME,
+                     "with MixerContext.causal False and no position scheme, permuting the tokens did not permute "
+                     "the outputs alike (a mask or an order-dependent weighting is left)")
+
+
 def incremental_decoding(subject: AttentionSubject) -> None:
     """Feeding the sequence piece by piece with the state from ``new_state`` (a prefill, single steps,
     multi-token chunks after the state holds tokens) gives the outputs of the full forward, under each
@@ -160,6 +200,7 @@ CHECKS = {
     "output_fp32": output_fp32,
     "output_bf16": output_bf16,
     "causality": causality,
+    "bidirectional": bidirectional,
     "incremental_decoding": incremental_decoding,
     "cache_reorder": cache_reorder,
     "gradients": generic.gradients,

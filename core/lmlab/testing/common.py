@@ -24,6 +24,7 @@ DEFAULT_SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=16, voc
 INDEPENDENT = 1e-5  # outputs that must not depend on a change at all (causality, position-wise)
 SAME = 1e-4  # two computations of one function in float32 (cache vs full forward, compiled vs eager)
 BF16 = 0.1  # bfloat16 against float32: 8 mantissa bits, accumulated through a few matmuls
+DEPENDENT = 1e-4  # an output that must depend on a change moves by more than this (bidirectional mixers)
 
 
 class ConformanceError(AssertionError):

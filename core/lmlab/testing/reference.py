@@ -17,7 +17,8 @@ from lmlab.api import PositionModule
 
 
 class ReferenceAttentionModule(AttentionModule):
-    """Causal softmax attention of n_heads queries over n_kv_heads keys/values, spelled out.
+    """Causal (or, with ``ctx.causal`` False, unmasked) softmax attention of n_heads queries over
+    n_kv_heads keys/values, spelled out.
 
     It honours the position scheme as the API asks: ``rotate`` on queries and keys when the scheme
     ``rotates``, ``attention_bias`` added to the scores when it ``biases``; both before masking.
@@ -49,8 +50,10 @@ class ReferenceAttentionModule(AttentionModule):
         scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(hs)              # (B, H, T, S)
         if ctx.position.biases:
             scores = scores + ctx.position.attention_bias(ctx.positions, k_positions).float()
-        visible = k_positions[None, :] <= ctx.positions[:, None]                 # (T, S)
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1).to(v.dtype)
+        if ctx.causal:
+            visible = k_positions[None, :] <= ctx.positions[:, None]             # (T, S)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        weights = scores.softmax(dim=-1).to(v.dtype)
         y = (weights @ v).transpose(1, 2).reshape(B, T, H * hs)                 # (B, T, H*hs)
         return self.out_proj(y)
 
@@ -68,6 +71,7 @@ class ReferenceAttention(Attention):
     when n_heads is even) so that a scheme's ``rotate`` meets keys with fewer heads than queries."""
 
     name = "reference"
+    bidirectional = True
 
     def build(self, shape: ModelShape, layer: int) -> ReferenceAttentionModule:
         return ReferenceAttentionModule(shape, shape.n_heads // 2 if shape.n_heads % 2 == 0 else shape.n_heads)

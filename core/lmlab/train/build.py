@@ -1,25 +1,59 @@
 """Assembling a variant's pieces: the model shape, the model, the plugins, the tracker's config."""
 
-from lmlab.api import ModelShape, UserError
+from lmlab.api import ModelShape, UserError, Vocabulary
 from lmlab.model import LanguageModel
 
 
-def model_shape(variant, tokenizer_vocab: int) -> ModelShape:
+def model_shape(variant, tokenizer_vocab: int, reserved: int = 0) -> ModelShape:
+    """The shape of the variant's model; ``reserved``: ids past the tokenizer's vocabulary that the
+    objective's special tokens take (see :func:`vocabulary`)."""
     cfg = variant.manifest["model"]
-    vocab = cfg["vocab_size"] or tokenizer_vocab
-    if vocab < tokenizer_vocab:
-        raise UserError(f"{vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})",
+    vocab = cfg["vocab_size"] or tokenizer_vocab + reserved
+    if vocab < tokenizer_vocab + reserved:
+        needs = f" plus the objective's {reserved} special token(s)" if reserved else ""
+        raise UserError(f"{vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}){needs}",
                         key="model.vocab_size")
     return ModelShape(n_layers=cfg["n_layers"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
                       block_size=cfg["block_size"], vocab_size=vocab, dropout=cfg["dropout"],
                       bias=cfg["bias"], init_std=cfg["init_std"])
 
 
+def special_ids(objective, tokenizer) -> dict[str, int]:
+    """name → id of each of the objective's special tokens: the tokenizer's own when it has one, else
+    the next id past its vocabulary (in the order the objective names them), so that the ids of a
+    run are a function of its tokenizer and objective alone and a checkpoint reloads with them."""
+    special, next_id = {}, tokenizer.vocab_size
+    for name in getattr(objective, "special_tokens", ()):
+        own = tokenizer.special_id(name) if hasattr(tokenizer, "special_id") else None
+        if own is None:
+            own, next_id = next_id, next_id + 1
+        special[name] = own
+    return special
+
+
+def vocabulary(variant, objective, tokenizer) -> tuple[ModelShape, Vocabulary]:
+    """The model shape, with room for the objective's special tokens, and the Vocabulary the
+    objective is set up with."""
+    special = special_ids(objective, tokenizer)
+    reserved = sum(1 for i in special.values() if i >= tokenizer.vocab_size)
+    shape = model_shape(variant, tokenizer.vocab_size, reserved)
+    return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=tokenizer.vocab_size, special=special,
+                             eos_id=tokenizer.eos_id)
+
+
 def build_model(variant, shape: ModelShape, plugins: dict) -> LanguageModel:
+    """The variant's model; bidirectional when its objective is not causal, which needs an attention
+    plugin that supports it (``Attention.bidirectional``)."""
     cfg = variant.manifest["model"]
+    objective = plugins.get("objective")
+    causal = getattr(objective, "causal", True)
+    if not causal and not getattr(plugins["attention"], "bidirectional", False):
+        raise UserError(f"attention plugin {plugins['attention'].name!r} is causal only, and objective "
+                        f"{objective.name!r} needs bidirectional attention; use one that supports it "
+                        "(mha, gqa, mqa)", key="attention.use")
     return LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
                          ffn=plugins["ffn"], norm=cfg["norm"], norm_eps=cfg["norm_eps"],
-                         tie_embeddings=cfg["tie_embeddings"])
+                         tie_embeddings=cfg["tie_embeddings"], causal=causal)
 
 
 def instantiate_all(variant) -> dict:

@@ -43,6 +43,10 @@ def state_bytes(model: torch.nn.Module, optimizers) -> int:
     """Parameters, their gradients and the optimizer's state: the memory a step needs besides activations."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
-                for v in s.values() if torch.is_tensor(v))
-    return params + grads + state
+    return params + grads + optimizer_state_bytes(optimizers)
+
+
+def optimizer_state_bytes(optimizers) -> int:
+    """The tensors the optimizers keep per parameter (Adam's moments, step counters)."""
+    return sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
+               for v in s.values() if torch.is_tensor(v))

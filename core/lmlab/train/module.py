@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader
 
 from lmlab.api import IGNORE_INDEX
 from lmlab.model import compute_loss
-from lmlab.train.batches import FixedWindows, RandomWindows
+from lmlab.train.batches import FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows
 from lmlab.train.memory import SavedBytes
 from lmlab.train.schedule import WarmupDecay
 
@@ -16,9 +16,15 @@ _PLAIN_ATTRIBUTES = frozenset({"_current_fx_name", "_param_requires_grad_state",
 
 class LMModule(L.LightningModule):
     def __init__(self, model, objective, optimizer, train_cfg: dict, hooks, compile: bool = False,
-                 parallel=None):
+                 parallel=None, peft=None):
         super().__init__()
         self.model = model
+        # A PEFT run (lmlab.train.adapters.PeftRun): checkpoints keep only its adapter, and its
+        # plugin's regularization (None for most) joins the training loss.
+        self.peft = peft
+        self._peft_loss = peft.regularization if peft is not None else None
+        if peft is not None:  # checkpoints hold the adapter alone (PeftRun.restore checks its entries)
+            self.strict_loading = False
         self.parallel = parallel  # the parallel plugin, asked to shard the model under a device mesh
         # A pipeline schedule runs forward and backward itself (Parallel.forward_backward).
         self._plugin_steps = bool(getattr(parallel, "runs_forward_backward", False))
@@ -29,6 +35,10 @@ class LMModule(L.LightningModule):
         # so parameter names and checkpoints stay those of the eager model.
         object.__setattr__(self, "train_forward", torch.compile(model) if compile else model)
         self.objective = objective
+        # Dispatched once: an objective that asks for Windows (labels, padding, randomness) gets them;
+        # others get the plain (B, T+1) tensors, with nothing added per step.
+        self.make_batch = (None if objective is None else
+                           objective.make_batch_from if objective.wants_windows() else objective.make_batch)
         self.optimizer_plugin = optimizer
         self.cfg = train_cfg
         self.hooks = hooks
@@ -64,13 +74,13 @@ class LMModule(L.LightningModule):
     def forward(self, idx, cache=None):
         return self.model(idx, cache=cache)
 
-    def training_step(self, windows: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        batch = self.objective.make_batch(windows)
+    def training_step(self, windows, batch_idx: int) -> torch.Tensor:
+        batch = self.make_batch(windows)
         if self._plugin_steps:
             # Lightning zeroes the gradients between training_step and backward, so the plugin's
             # forward-and-backward waits for backward(); what is returned here only stands in.
             self._pending = batch
-            return torch.zeros((), device=windows.device)
+            return torch.zeros((), device=batch.input_ids.device)
         if self.activation_bytes is None:  # once: what autograd keeps for backward, per micro-batch
             saved = SavedBytes()
             with saved:
@@ -78,6 +88,9 @@ class LMModule(L.LightningModule):
             self.activation_bytes = saved.total
         else:
             out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
+        if self._peft_loss is not None:
+            extra = self._peft_loss(self.model)
+            out = out._replace(total=out.total + extra, aux=extra if out.aux is None else out.aux + extra)
         self.last_loss = out.loss.detach()
         self.last_aux = out.aux.detach() if out.aux is not None else None
         return out.total
@@ -109,8 +122,8 @@ class LMModule(L.LightningModule):
         self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._val_count = torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def validation_step(self, windows: torch.Tensor, batch_idx: int) -> None:
-        batch = self.objective.make_batch(windows)
+    def validation_step(self, windows, batch_idx: int) -> None:
+        batch = self.make_batch(windows)
         if self._plugin_steps:
             loss = self.parallel.forward_loss(self.model, batch, self.objective.loss)
         else:
@@ -141,20 +154,41 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Dropout draws from the global generator: keep it so a resumed run continues identically.
         checkpoint["lmlab_rng"] = torch.get_rng_state()
+        if self.peft is not None:  # the adapter's entries only; the base is in base.safetensors
+            self.peft.prune(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "lmlab_rng" in checkpoint:
             torch.set_rng_state(checkpoint["lmlab_rng"])
+        if self.peft is not None:
+            self.peft.restore(checkpoint)
 
 
 class TokenDataModule(L.LightningDataModule):
+    """Batches of the prepared tokens, drawn as the objective asks (see :mod:`lmlab.train.batches`).
+
+    With an ``objective`` that asks for Windows, its ``token_labels`` are set up here, once per split
+    (which is where a corpus that cannot serve it is refused), and batches are Windows of random or
+    fixed windows, or of padded documents; otherwise plain (B, T+1) tensors.
+    """
+
     def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
-                 seed: int, grad_accum: int):
+                 seed: int, grad_accum: int, objective=None):
         super().__init__()
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.eval_batch_size, self.eval_steps, self.seed = eval_batch_size, eval_steps, seed
         self.grad_accum = grad_accum
         self.full_validation = False
+        self.rich = objective is not None and objective.wants_windows()
+        self.sampling = getattr(objective, "sampling", "windows")
+        if self.sampling not in ("windows", "documents"):
+            raise ValueError(f"objective {objective.name!r}: sampling must be 'windows' or 'documents', "
+                             f"not {self.sampling!r}")
+        if self.sampling == "documents" and not self.rich:
+            raise TypeError(f"objective {objective.name!r} samples padded documents, so it must override "
+                            "make_batch_from (only Windows say where the padding is)")
+        self.labels = {split: objective.token_labels(tokens.split(split)) if self.rich else None
+                       for split in ("train", "val")}
 
     def train_dataloader(self) -> DataLoader:
         # Called after a checkpoint is restored, so global_step already says where to continue.
@@ -162,14 +196,26 @@ class TokenDataModule(L.LightningDataModule):
         # Data-parallel replicas, which are not all ranks under tensor or pipeline parallelism: ranks
         # that hold parts of one replica must see the same batch.
         sharding = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
-                                replica=sharding.get("rank", 0), replicas=sharding.get("num_replicas", 1),
-                                start=start)
+        replicas = {"replica": sharding.get("rank", 0), "replicas": sharding.get("num_replicas", 1), "start": start}
+        if self.sampling == "documents":
+            windows = RandomDocuments(self.tokens.train, self.tokens.document_starts("train"), self.block_size,
+                                      self.batch_size, self.seed, labels=self.labels["train"], **replicas)
+        else:
+            windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
+                                    rich=self.rich, labels=self.labels["train"], **replicas)
         # Own generators: iterating a DataLoader draws a seed from its generator, and drawing it from
         # the global one would shift every later dropout mask when a resumed run re-creates it.
         return DataLoader(windows, batch_size=None, generator=torch.Generator())
 
     def val_dataloader(self) -> DataLoader:
         limit = None if self.full_validation else self.eval_steps * self.eval_batch_size
-        windows = FixedWindows(self.tokens.val, self.block_size, limit)
-        return DataLoader(windows, batch_size=self.eval_batch_size, shuffle=False, generator=torch.Generator())
+        if not self.rich:
+            windows = FixedWindows(self.tokens.val, self.block_size, limit)
+            return DataLoader(windows, batch_size=self.eval_batch_size, shuffle=False, generator=torch.Generator())
+        if self.sampling == "documents":
+            batches = FixedDocuments(self.tokens.val, self.tokens.document_starts("val"), self.block_size,
+                                     self.eval_batch_size, self.seed, limit, labels=self.labels["val"])
+        else:
+            batches = FixedWindowBatches(self.tokens.val, self.block_size, self.eval_batch_size, self.seed, limit,
+                                         labels=self.labels["val"])
+        return DataLoader(batches, batch_size=None, shuffle=False, generator=torch.Generator())

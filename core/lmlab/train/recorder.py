@@ -106,6 +106,9 @@ class RunRecorder(L.Callback):
 
     def save_last(self, trainer) -> None:
         self._save(trainer, "last.ckpt")
+        peft = getattr(trainer.lightning_module, "peft", None)
+        if peft is not None and trainer.is_global_zero:  # the adapter on its own, beside the checkpoint
+            peft.write_adapter(self.ckpt_dir, trainer.global_step)
 
     def _save(self, trainer, name: str) -> None:
         # Every rank calls save_checkpoint (sharded strategies write from all of them); the main

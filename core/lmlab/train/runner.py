@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from lmlab import provenance
+from lmlab import pretrained, provenance
 from lmlab.api import RunInfo
 from lmlab.hooks import Hooks
-from lmlab.train import build, tokens as token_cache
-from lmlab.train.memory import state_bytes
+from lmlab.train import adapters, build, tokens as token_cache
+from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
 
 
@@ -47,15 +47,24 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     L.seed_everything(variant.manifest["seed"], verbose=False)
     plugins = build.instantiate_all(variant)
     tokens = token_cache.prepare(variant)
-    shape = build.model_shape(variant, tokens.tokenizer.vocab_size)
+    # The objective's special tokens may grow the vocabulary past the tokenizer's (mlm's [MASK]).
+    shape, vocab = build.vocabulary(variant, plugins["objective"], tokens.tokenizer)
+    plugins["objective"].setup(vocab)
     model = build.build_model(variant, shape, plugins)
+    last_ckpt = run_dir / "checkpoints" / "last.ckpt"
+    # [init]: the weights a fine-tune starts from, loaded before anything adapts, wraps or shards the
+    # model; a resumed run continues from its own last.ckpt instead (Lightning loads it below).
+    init = pretrained.initialise(variant, model, run_dir, resuming=resume and last_ckpt.is_file())
+    # [peft]: the adapter goes in on top of those weights and freezes them; a resumed run reloads the
+    # base it recorded first (lmlab.train.adapters). None when the run trains the whole model.
+    peft = adapters.prepare(plugins.get("peft"), model, variant.manifest, run_dir / "checkpoints",
+                            resuming=resume and last_ckpt.is_file())
     hooks = Hooks([*(p for value in plugins.values() for p in (value if isinstance(value, list) else [value])),
                    *extra_hooks])
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
     model.set_checkpointing(cfg["checkpointing"])
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
-    last_ckpt = run_dir / "checkpoints" / "last.ckpt"
     ckpt_path = last_ckpt if resume and last_ckpt.is_file() else None
     resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
     used = provenance.plugins(variant)
@@ -65,9 +74,9 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     tracker = plugins["tracker"]
     eval_bs = cfg["eval_batch_size"] or 4 * cfg["batch_size"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg["batch_size"], eval_bs, cfg["eval_steps"],
-                                 variant.manifest["seed"], cfg["grad_accum"])
+                                 variant.manifest["seed"], cfg["grad_accum"], objective=plugins["objective"])
     module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"],
-                      parallel=plugins["parallel"])
+                      parallel=plugins["parallel"], peft=peft)
     recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
                            None, hooks, resume_step=resume_step)
     trainer = _trainer(cfg, run_dir, recorder, parallel)
@@ -76,7 +85,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         run_dir.mkdir(parents=True, exist_ok=True)
         write_toml(run_dir / "manifest.toml", _strip_private(resolved))
         write_json(run_dir / "provenance.json", {"plugins": used, "environment": environment,
-                                                  "manifest": _strip_private(variant.manifest)})
+                                                  "manifest": _strip_private(variant.manifest),
+                                                  **({"init": init} if init else {})})
         (run_dir / "error.log").unlink(missing_ok=True)  # from an earlier, failed attempt
         (run_dir / "tokenizer").mkdir(exist_ok=True)
         tokens.tokenizer.save(run_dir / "tokenizer")
@@ -86,6 +96,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
                               config=public, flat_config=build.tracker_config(variant, public, variant.peer_keys),
                               plugins=used, resume=ckpt_path is not None, variant=variant.group,
                               environment=environment))
+    if peft is not None:  # the frozen base, once per run, before any checkpoint refers to it
+        peft.write_base(run_dir / "checkpoints", main)
     summary = {"status": "failed", "steps": resume_step or 0}
     plain = None
     try:
@@ -114,7 +126,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         counted = plain if plain is not None else model
         summary.update(wall_s=time.perf_counter() - started, params=counted.num_params(),
                        trainable_params=counted.num_params(trainable_only=True), peak_mem_mb=_peak_mem_mb(),
-                       plugins=used, environment=environment, **tokens.report())
+                       plugins=used, environment=environment, **tokens.report(), **({"init": init} if init else {}))
         if main:
             write_json(run_dir / "summary.json", summary)
             tracker.finish(summary, summary["status"])
@@ -195,7 +207,10 @@ def _completed(trainer, module, recorder, compiled: bool) -> dict:
         "first_step_s": recorder.first_step_s,
         "activation_mb": (module.activation_bytes or 0) / 2**20,
         "state_mb": state_bytes(module.model, trainer.optimizers) / 2**20,
+        "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizers),
     }
+    if module.peft is not None:  # the adapter alone, as written to checkpoints/adapter.safetensors
+        summary["adapter_bytes"] = module.peft.adapter_bytes
     if compiled and recorder.first_step_s is not None and summary["tokens_per_s"]:
         # Compilation happens inside the first step; what it took beyond a steady step is its cost.
         steady = recorder.tokens_per_step * trainer.world_size / summary["tokens_per_s"]

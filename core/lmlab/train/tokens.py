@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmlab.api import TokenSplit
 from lmlab.prepare import pipeline, shards
 
 
@@ -37,6 +38,12 @@ class TokenData:
             starts.append(np.fromfile(self.directory / f"{shard['name']}.docs", dtype="<u8").astype(np.int64) + offset)
             offset += shard["tokens"]
         return np.concatenate(starts) if starts else np.zeros(0, np.int64)
+
+    def split(self, name: str) -> TokenSplit:
+        """One split as an objective sees it (``Objective.token_labels``)."""
+        tokens, mask = (self.train, self.train_mask) if name == "train" else (self.val, self.val_mask)
+        return TokenSplit(name=name, tokens=tokens, loss_mask=mask, document_starts=self.document_starts(name),
+                          tokenizer=self.tokenizer)
 
     def report(self) -> dict:
         """What a run's summary records of its data: documents and tokens per split, the source's

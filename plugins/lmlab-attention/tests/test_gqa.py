@@ -61,14 +61,15 @@ def make_position(name: str, shape: ModelShape) -> PositionModule:
 POSITIONS = ["none", "learned", "rope", "linear-bias"]
 
 
-def forward(attn, position, x, start=0, state=None):
+def forward(attn, position, x, start=0, state=None, causal=True):
     """The model's path through one layer: position embedding, then attention."""
     positions = torch.arange(start, start + x.shape[1])
-    return attn(position.embed(x, positions), MixerContext(position, positions, start), state)
+    return attn(position.embed(x, positions), MixerContext(position, positions, start, causal=causal), state)
 
 
-def reference_attention(x, attn, position=None):
-    """softmax(QK^T/sqrt(hs) + bias + causal mask) V written out, kv heads repeated per query group."""
+def reference_attention(x, attn, position=None, causal=True):
+    """softmax(QK^T/sqrt(hs) + bias + causal mask) V written out, kv heads repeated per query group;
+    without the mask when not ``causal``."""
     B, T, C = x.shape
     H, Hkv = attn.n_heads, attn.n_kv_heads
     hs = C // H
@@ -83,7 +84,8 @@ def reference_attention(x, attn, position=None):
     scores = q @ k.transpose(-2, -1) / math.sqrt(hs)                        # (B, H, T, T)
     if position is not None and position.biases:
         scores = scores + position.attention_bias(positions, positions)
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    if causal:
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
     return y @ attn.out_proj.weight.T
 
@@ -150,6 +152,38 @@ def test_changing_later_tokens_leaves_earlier_outputs_unchanged(name, position_n
         before, after = forward(attn, position, x), forward(attn, position, changed)
         torch.testing.assert_close(after[:, :t + 1], before[:, :t + 1], rtol=1e-6, atol=1e-6)
         assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+
+
+@pytest.mark.parametrize("position_name", ["none", "rope", "linear-bias", "alibi"])
+@pytest.mark.parametrize("name", ATTENTIONS)
+def test_bidirectional_attention_equals_the_unmasked_softmax_reference(name, position_name):
+    shape = make_shape()
+    attn, position = build_attention(name, shape), make_position(position_name, shape)
+    x = torch.randn(2, 7, 32)
+    expected = reference_attention(position.embed(x, torch.arange(7)), attn, position, causal=False)
+    torch.testing.assert_close(forward(attn, position, x, causal=False), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position_name", POSITIONS)
+@pytest.mark.parametrize("name", ATTENTIONS)
+def test_bidirectional_outputs_change_with_later_tokens(name, position_name):
+    shape = make_shape()
+    attn, position = build_attention(name, shape), make_position(position_name, shape)
+    x = torch.randn(2, 9, 32)
+    changed = x.clone()
+    changed[:, 5:] = torch.randn_like(changed[:, 5:])
+    before, after = forward(attn, position, x, causal=False), forward(attn, position, changed, causal=False)
+    assert ((after[:, :5] - before[:, :5]).abs().amax(dim=(0, 2)) > 1e-3).all()  # every earlier position
+
+
+@pytest.mark.parametrize("name", ATTENTIONS)
+def test_attention_plugins_pass_the_bidirectional_conformance_check(name):
+    from lmlab.testing import iter_checks
+
+    cls = type(plugin("attention", name))
+    assert cls.bidirectional is True
+    (check,) = [c for c in iter_checks(cls, {"n_kv_heads": 2} if name == "gqa" else None) if c.name == "bidirectional"]
+    check()
 
 
 @pytest.mark.parametrize("chunks", [[4, 1, 1, 1, 1, 1, 1], [3, 4, 1, 1, 1], [1] * 10, [2, 5, 3]],

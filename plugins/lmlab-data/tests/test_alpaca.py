@@ -4,7 +4,7 @@ import pytest
 
 from lmlab.api import Record, Segment, UserError
 from lmlab.testing import check_plugin_class
-from lmlab_data.alpaca import PROMPT_INPUT, PROMPT_NO_INPUT, Alpaca
+from lmlab_data.alpaca import PROMPT_INPUT, PROMPT_NO_INPUT, Alpaca, AlpacaOptions
 
 RECORDS = [
     {"instruction": "Give three tips for staying healthy.", "input": "", "output": "1. Eat well."},
@@ -85,3 +85,37 @@ def test_bad_record_skip_skips_and_counts(tmp_path):
     plugin = source(path=path, bad_record="skip")
     assert len(list(plugin.documents())) == 1
     assert plugin.stats() == {"records_skipped": 2}
+
+
+def test_the_compact_template_is_plain_letters_and_punctuation(json_file):
+    first, second = source(path=json_file, template="compact").documents()
+    assert first.segments[0].text == "Instruction: Give three tips for staying healthy.\nResponse: "
+    assert second.segments[0].text == "Instruction: Translate to French.\nInput: cheese\nResponse: "
+    assert second.segments[1] == Segment("fromage", True)
+
+
+def test_the_compact_template_encodes_with_a_char_tokenizer_fitted_on_tinyshakespeare():
+    from pathlib import Path
+
+    from lmlab_data.alpaca import COMPACT_INPUT, COMPACT_NO_INPUT
+
+    corpus = Path(__file__).resolve().parents[3] / "data" / "tinyshakespeare.txt"
+    if not corpus.is_file():
+        pytest.skip("no tinyshakespeare in this checkout")
+    seen = set(corpus.read_text())
+    for template in (COMPACT_INPUT, COMPACT_NO_INPUT):
+        fixed = template.replace("{instruction}", "").replace("{input}", "")
+        assert set(fixed) <= seen and not set(fixed) & set("#0123456789")
+
+
+def test_an_explicit_prompt_template_overrides_the_named_one(json_file):
+    _, second = source(path=json_file, template="compact", prompt_template="Q: {instruction} {input}\nA: ").documents()
+    assert second.segments[0].text == "Q: Translate to French. cheese\nA: "
+
+
+def test_response_end_is_appended_to_every_response_and_scored(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"instruction": "Say hi.", "output": "hi"}\n')
+    (record,) = list(Alpaca(AlpacaOptions(path=str(path), template="compact", response_end="\n")).documents())
+    assert [(s.text, s.scored) for s in record.segments] == [("Instruction: Say hi.\nResponse: ", False),
+                                                              ("hi\n", True)]

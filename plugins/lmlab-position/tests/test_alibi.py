@@ -42,7 +42,7 @@ def test_alibi_slopes_for_12_heads_follow_the_reference_code():
     torch.testing.assert_close(make_alibi(12).slopes, torch.tensor(expected))
 
 
-def test_alibi_bias_is_minus_slope_times_distance():
+def test_alibi_bias_is_minus_slope_times_distance():  # on both sides of the query
     alibi = make_alibi(4)
     q_pos, k_pos = torch.tensor([3, 4, 9]), torch.arange(10)
     bias = alibi.attention_bias(q_pos, k_pos)
@@ -51,9 +51,14 @@ def test_alibi_bias_is_minus_slope_times_distance():
     for h in range(4):
         for i, q in enumerate(q_pos.tolist()):
             for j, k in enumerate(k_pos.tolist()):
-                if k <= q:
-                    assert bias[h, i, j].item() == pytest.approx(-slopes[h] * (q - k))
+                assert bias[h, i, j].item() == pytest.approx(-slopes[h] * abs(q - k))
     assert (bias[:, 2, :] <= 0).all() and (bias[:, :, 0] < 0).all()
+
+
+def test_alibi_bias_is_symmetric_so_bidirectional_attention_penalises_both_sides_alike():
+    bias = make_alibi(4).attention_bias(torch.arange(6), torch.arange(6))  # (H, T, T)
+    torch.testing.assert_close(bias, bias.transpose(1, 2), rtol=0, atol=0)
+    assert (bias[:, 1, 4] == bias[:, 1, 0] * 3).all()  # three to the right costs three times one to the left
 
 
 def test_alibi_bias_depends_only_on_distance():
@@ -102,3 +107,23 @@ def test_kv_cache_decoding_with_alibi_equals_the_full_forward():
     for t in range(prefill, T):
         steps.append(attn(x[:, t:t + 1], MixerContext(position=alibi, positions=torch.tensor([t]), start=t), cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_bidirectional_mha_with_alibi_equals_the_unmasked_reference_with_symmetric_bias():
+    torch.manual_seed(0)
+    shape = make_shape(n_heads=4, d_model=32)
+    alibi, attn = ALiBiPosition().build(shape), attention_plugin("mha", shape).eval()
+    B, T, H, hs = 2, 7, 4, 8
+    x, positions = torch.randn(B, T, 32), torch.arange(T)
+    got = attn(x, MixerContext(position=alibi, positions=positions, causal=False))
+
+    q, k, v = (t.view(B, T, H, hs).transpose(1, 2) for t in (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)))
+    slopes = torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
+    distance = (positions[:, None] - positions[None, :]).abs().float()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hs) - slopes[:, None, None] * distance  # no mask
+    expected = attn.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, 32))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # causal attention with the symmetric bias is unchanged: keys after the query are masked anyway
+    causal = attn(x, MixerContext(position=alibi, positions=positions))
+    assert not torch.allclose(got[:, :-1], causal[:, :-1], atol=1e-4)
+    torch.testing.assert_close(got[:, -1], causal[:, -1], rtol=1e-5, atol=1e-5)  # the last token saw all in both

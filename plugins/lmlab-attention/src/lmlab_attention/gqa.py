@@ -1,4 +1,4 @@
-"""Causal softmax self-attention with grouped key/value heads: ``gqa``, and its two ends ``mha``, ``mqa``.
+"""Softmax self-attention with grouped key/value heads: ``gqa``, and its two ends ``mha``, ``mqa``.
 
 Multi-head attention (Vaswani et al. 2017, "Attention Is All You Need") gives every query head its own
 key and value head. Multi-query attention (Shazeer 2019, "Fast Transformer Decoding: One Write-Head is
@@ -19,6 +19,11 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): :meth:`CausalSelfAttentio
 splits the heads over the ranks, the query/key/value projections column-wise and the output projection
 row-wise; each rank then computes ``n_heads / t`` query heads with their ``n_kv_heads / t`` key/value
 heads, and its slice of a position scheme's per-head bias.
+
+Causal by default; all three also attend bidirectionally (``bidirectional = True``, API 1.4) when the
+model is built for an objective that is not causal, such as masked language modelling (BERT, Devlin
+et al. 2019): then no mask is applied at all, and a position scheme's bias covers keys on both sides
+of the query (ALiBi's is symmetric in the distance).
 """
 
 import torch
@@ -70,6 +75,7 @@ class CausalSelfAttention(AttentionModule):
 
         SDPA takes either ``is_causal`` or ``attn_mask``, and its ``is_causal`` aligns the triangle to
         the top left, so it only fits when queries and keys are the same tokens (training, prefill).
+        Bidirectional (``ctx.causal`` False): no mask, only the position scheme's bias if it has one.
         """
         device = ctx.positions.device
         bias = None
@@ -80,7 +86,7 @@ class CausalSelfAttention(AttentionModule):
             if self.tp_size > 1:  # this rank's heads only
                 local = self.n_heads // self.tp_size
                 bias = bias[self.tp_rank * local:(self.tp_rank + 1) * local]
-        if T == 1:  # one new token sees everything cached before it
+        if T == 1 or not ctx.causal:  # one new token sees everything cached before it; or no mask at all
             return (None if bias is None else bias.to(dtype)), False
         if bias is None and S == T:
             return None, True
@@ -102,6 +108,9 @@ class CausalSelfAttention(AttentionModule):
 
         return {"q_proj": HeadColwiseParallel(on_apply=self._take_local_heads), "k_proj": ColwiseParallel(),
                 "v_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+
+    def peft_roles(self) -> dict[str, str]:
+        return {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}
 
     def _take_local_heads(self, mesh) -> None:
         self.tp_size, self.tp_rank = mesh.size(), mesh.get_local_rank()
@@ -125,6 +134,8 @@ class GroupedQueryAttention(Attention):
     """``gqa``: ``n_kv_heads`` key/value heads shared by groups of query heads (Ainslie et al. 2023)."""
 
     Options = GroupedQueryAttentionOptions
+    api = ">=1.4,<2"  # MixerContext.causal
+    bidirectional = True
 
     def kv_heads(self, shape: ModelShape) -> int:
         n_kv_heads = self.options.n_kv_heads or shape.n_heads

@@ -44,6 +44,9 @@ class MLP(FFNModule):
 
         return {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
 
+    def peft_roles(self) -> dict[str, str]:
+        return {"up": "c_fc", "down": "c_proj"}
+
     def reset_parameters(self, shape: ModelShape) -> None:
         nn.init.normal_(self.c_fc.weight, mean=0.0, std=shape.init_std)
         nn.init.normal_(self.c_proj.weight, mean=0.0, std=shape.residual_init_std)

@@ -44,6 +44,9 @@ class SwiGLU(FFNModule):
 
         return {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
 
+    def peft_roles(self) -> dict[str, str]:
+        return {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
     def reset_parameters(self, shape: ModelShape) -> None:
         nn.init.normal_(self.gate_proj.weight, mean=0.0, std=shape.init_std)
         nn.init.normal_(self.up_proj.weight, mean=0.0, std=shape.init_std)

@@ -94,6 +94,11 @@ class MambaMixer(AttentionModule):
             self.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log))
             self.D.fill_(1.0)
 
+    def peft_roles(self) -> dict[str, str]:
+        # dt_proj is left out: the forward pass reads its weight directly (an addmm), so a PEFT wrapper
+        # around it would never be called.
+        return {"in": "in_proj", "x": "x_proj", "o": "out_proj"}
+
     def new_state(self, batch_size: int, max_len: int, device, dtype) -> MambaState:
         return MambaState(batch_size, self.d_inner, self.d_conv, self.d_state, device=device, dtype=dtype)
 
@@ -101,6 +106,9 @@ class MambaMixer(AttentionModule):
         if ctx.position.rotates or ctx.position.biases:
             raise UserError("mamba takes token order from its recurrence and has no queries to rotate or "
                             "scores to bias; use position none (or learned / sinusoidal)", key="position.use")
+        if not getattr(ctx, "causal", True):  # MixerContext.causal is API 1.4
+            raise UserError("mamba is a causal recurrence (each output sees only earlier inputs) and cannot "
+                            "attend bidirectionally, as a non-causal objective (mlm) asks", key="attention.use")
         if state is None and self.kernels is not None and u.is_cuda:
             return self._forward_cuda(u)
         # Batch-major throughout, as the block hands it over: no transposes, and every op splits its
@@ -220,6 +228,9 @@ class Mamba(Attention):
     """``mamba``: the selective state-space mixer of Gu & Dao 2023."""
 
     Options = MambaOptions
+    # A left-to-right recurrence: a bidirectional objective (mlm) is refused when the model is built.
+    # (Running two scans, one per direction, would be a different mixer: BiMamba, Vim.)
+    bidirectional = False
 
     def build(self, shape: ModelShape, layer: int) -> MambaMixer:
         o = self.options

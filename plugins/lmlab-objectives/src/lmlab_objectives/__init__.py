@@ -1,1 +1,1 @@
-"""Training objectives for lmlab (entry point ``causal-lm``)."""
+"""Training objectives for lmlab (entry points ``causal-lm``, ``sft``, ``mlm``)."""

@@ -17,6 +17,19 @@ import torch.nn.functional as F
 from lmlab.api import IGNORE_INDEX, Batch, Field, Objective, Options
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """Mean float32 cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T) over the positions
+    whose target is not IGNORE_INDEX, plus ``z_loss`` · mean log(Z)² over them; 0 (with a gradient of
+    0) when no position counts, which a batch of prompt-masked or sparsely masked rows can give."""
+    flat, targets = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (N, V), (N,)
+    counted = targets != IGNORE_INDEX  # (N,)
+    n = counted.sum().clamp(min=1)
+    loss = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum") / n
+    if z_loss > 0:
+        loss = loss + z_loss * (torch.logsumexp(flat, dim=-1).square() * counted).sum() / n
+    return loss
+
+
 class CausalLMOptions(Options):
     z_loss: float = Field(0.0, ge=0, help="coefficient of PaLM's z-loss, mean log(Z)^2 (0 turns it off; PaLM: 1e-4)")
 

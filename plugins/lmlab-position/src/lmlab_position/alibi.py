@@ -4,7 +4,7 @@ Attention with Linear Biases Enables Input Length Extrapolation").
 No position is added to the embeddings or to queries and keys. Instead every attention layer adds a
 penalty proportional to the distance between query and key to its scores, before the softmax:
 
-    score[h, i, j] = q_i · k_j / sqrt(d) - m_h · (i - j)        for keys j ≤ i
+    score[h, i, j] = q_i · k_j / sqrt(d) - m_h · |i - j|
 
 Each head h has a fixed slope m_h. For n heads, a power of two, the slopes are the geometric sequence
 that starts at 2^(-8/n) with ratio 2^(-8/n) (8 heads: 1/2, 1/4, ..., 1/256), so some heads look far
@@ -13,8 +13,10 @@ slopes of the closest smaller power of two, 2^⌊log2 n⌋, and fills up with ev
 that many. Because the penalty is defined for every distance, a model trained on short contexts runs
 on longer ones; the paper shows it extrapolates where sinusoidal and rotary encodings degrade.
 
-The bias for keys after the query (j > i) is whatever the formula gives; the attention plugin's causal
-mask removes those entries.
+Under causal attention only keys j ≤ i are seen, where |i - j| = i - j, the paper's formula. The bias is
+symmetric so that bidirectional attention (a masked-LM objective) penalises distance on both sides of
+the query alike, as encoder uses of ALiBi do (e.g. MosaicBERT, Portes et al. 2023); the causal mask
+removes keys after the query either way.
 """
 
 import math
@@ -37,7 +39,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 
 class ALiBi(PositionModule):
-    """Adds -slope_h · (q_pos - k_pos) to the scores of head h; no parameters, nothing saved."""
+    """Adds -slope_h · |q_pos - k_pos| to the scores of head h; no parameters, nothing saved."""
 
     biases = True
     max_positions = None  # a linear penalty exists for every distance
@@ -49,7 +51,7 @@ class ALiBi(PositionModule):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)
 
     def attention_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        distance = (q_positions[:, None] - k_positions[None, :]).float()                       # (Tq, Tk)
+        distance = (q_positions[:, None] - k_positions[None, :]).abs().float()                 # (Tq, Tk)
         return -self.slopes.float()[:, None, None] * distance                                  # (H, Tq, Tk)
 
 

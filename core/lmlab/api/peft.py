@@ -1,0 +1,118 @@
+"""The peft slot: parameter-efficient fine-tuning (API 1.4).
+
+A peft plugin changes the assembled model once, when the run is built: it inserts adapter weights,
+freezes every other parameter, and says which state-dict entries make up the adapter. The core then
+gives the optimizer only the parameters that still require gradients, writes the model's weights as
+they were before the adapter went in once per run (``checkpoints/base.safetensors``), keeps only
+the adapter (and the optimizer state) in ``last.ckpt``/``best.ckpt``, writes the adapter on its own
+to ``checkpoints/adapter.safetensors``, and folds it into the base weights on ``lmlab merge``.
+
+Plugins name the layers they adapt by *role*, not by parameter name, so that one manifest works
+across attention and ffn plugins: an attention module says which of its submodules computes the
+queries (``q``), keys (``k``), values (``v``) and output (``o``); a feed-forward module its ``up``,
+``down`` and ``gate`` projections (:meth:`AttentionModule.peft_roles`, :meth:`FFNModule.peft_roles`).
+:func:`module_roles` and :func:`resolve_roles` turn roles into full module names of the model.
+"""
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lmlab.api.errors import UserError
+from lmlab.api.plugin import Plugin
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class Peft(Plugin):
+    """One PEFT method. The defaults describe "no adapter": the whole model trains as without a
+    ``[peft]`` table, and the core changes nothing about the run."""
+
+    slot = "peft"
+    api = ">=1.4,<2"
+
+    #: The ``parallel.use`` plugins this method works under; a run that combines it with another is
+    #: refused before it starts, with a UserError naming ``peft.use``. None: any.
+    parallel: ClassVar[tuple[str, ...] | None] = None
+
+    def apply(self, model: "nn.Module", manifest: dict[str, Any]) -> None:
+        """Insert the adapter into ``model`` in place and freeze every parameter that is not part of
+        it (``requires_grad = False``).
+
+        Called once per process when a run is built: after the model is assembled, initialised and
+        given its starting weights, before ``lmlab_model_built`` hooks, the optimizer and any
+        checkpoint is restored; also by ``lmlab generate`` and ``lmlab merge`` on a trained run's
+        base weights before they load its adapter. ``model`` is the assembled language model
+        (``blocks``, each with ``attn`` and ``ffn``: see :func:`module_roles`); ``manifest`` is the
+        variant's resolved manifest (``manifest["train"]["max_steps"]``, ...). Must be deterministic
+        given the global random state (a resumed run calls it again and then loads the adapter
+        saved in its checkpoint). Raise a UserError naming the option for a target this model does
+        not have. The default does nothing.
+        """
+
+    def is_adapter_key(self, key: str) -> bool:
+        """Whether ``key``, an entry of ``model.state_dict()`` after :meth:`apply`, belongs to the
+        adapter: what checkpoints and ``adapter.safetensors`` hold. Every parameter that requires
+        gradients must be one (the core checks); entries that are not come from the base weights.
+        A method whose adapter has no entries (the default) runs as full training."""
+        return False
+
+    def merge(self, model: "nn.Module") -> None:
+        """Fold the adapter into the base weights, in place, leaving a model whose state dict has
+        exactly the keys of the plain model (no adapter entries, no wrapped names) and whose
+        outputs are those of the adapted model. Called by ``lmlab merge`` on a model that
+        :meth:`apply` adapted and that holds a trained adapter. The default refuses: a method whose
+        adapter is not a change of weights (a nonlinear bottleneck adapter) cannot be merged."""
+        raise UserError(f"peft plugin {self.name!r} cannot fold its adapter into the base weights; "
+                        "use the unmerged run (lmlab generate works on it)", key="peft.use")
+
+    def regularization(self, model: "nn.Module") -> "torch.Tensor | None":
+        """A term added to the training loss at every micro-batch (AdaLoRA's orthogonality penalty),
+        logged with the auxiliary losses; None for none. Called after the forward pass."""
+        return None
+
+    def extra_state(self) -> dict[str, Any]:
+        """Training state beyond the adapter weights that a resumed run needs (AdaLoRA's importance
+        averages), saved in checkpoints: tensors, numbers, strings and lists or dicts of them (it is
+        loaded with ``weights_only=True``)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned, after :meth:`apply`, when a run resumes."""
+
+
+def module_roles(model: "nn.Module") -> dict[str, dict[str, list[str]]]:
+    """``{"attention": {role: [module names]}, "ffn": {...}}`` for the assembled model: for every
+    block ``i``, the roles its attention module declares (``peft_roles()``) under
+    ``blocks.<i>.attn.<submodule>`` and those of its ffn module under ``blocks.<i>.ffn.<submodule>``
+    (a ``skip`` ffn has none). Names are full names in ``model.named_modules()``."""
+    found: dict[str, dict[str, list[str]]] = {"attention": {}, "ffn": {}}
+    for i, block in enumerate(model.blocks):
+        for part, attr in (("attention", "attn"), ("ffn", "ffn")):
+            module = getattr(block, attr, None)
+            if module is None or getattr(module, "skip", False) or not hasattr(module, "peft_roles"):
+                continue
+            for role, sub in module.peft_roles().items():
+                found[part].setdefault(role, []).append(f"blocks.{i}.{attr}.{sub}")
+    return found
+
+
+def resolve_roles(model: "nn.Module", roles: "list[str] | str", key: str = "peft.targets") -> list[str]:
+    """Full module names of every module that plays one of ``roles`` (``"all"``: every role the
+    model's modules declare), in block order; a UserError naming ``key`` and listing the roles that
+    exist when a role matches no module."""
+    found = module_roles(model)
+    available = {role: names for part in found.values() for role, names in part.items()}
+    listing = "; ".join(f"{part}: {', '.join(roles_) if roles_ else '(none)'}" for part, roles_ in found.items())
+    if not available:
+        raise UserError("this model's attention and ffn modules declare no roles (peft_roles), so no layer can "
+                        "be adapted by role", key=key)
+    wanted = list(available) if roles == "all" else list(roles)
+    if not wanted:
+        raise UserError(f"names no role; the roles of this model are {listing}", key=key)
+    for role in wanted:
+        if role not in available:
+            raise UserError(f"role {role!r} matches no module of this model; the roles it has are {listing}",
+                            key=key)
+    names = {name for role in wanted for name in available[role]}
+    return [name for name, _ in model.named_modules() if name in names]

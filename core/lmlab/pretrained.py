@@ -1,0 +1,301 @@
+"""Starting a run from trained weights: ``[init] from = "<run folder | checkpoint | Hugging Face folder>"``.
+
+Fine-tuning continues a model instead of starting one (Howard & Ruder 2018, "Universal Language Model
+Fine-tuning"; Radford et al. 2018): the run takes the init's weights, its shape and its tokenizer, and
+trains them further on its own data with a fresh optimizer. An init is one of
+
+- an lmlab run folder (it holds ``manifest.toml``): its resolved ``[model]``, ``[position]``,
+  ``[attention]``, ``[ffn]`` and ``[tokenizer]`` tables, its fitted tokenizer (``tokenizer/``) and the
+  weights of ``checkpoints/best.ckpt`` (``init.checkpoint = "best"``; last.ckpt when there is no best)
+  or ``last.ckpt``;
+- a checkpoint file in a run folder (``.../checkpoints/last.ckpt``): the same, with that file's weights;
+- a local Hugging Face Llama-family folder (``config.json``, ``model.safetensors`` or a sharded
+  ``model.safetensors.index.json``, ``tokenizer.json``), as ``save_pretrained`` writes it: the tables
+  of :func:`lmlab.interop.llama.manifest_tables`, the ``hf`` tokenizer over its ``tokenizer.json``, and
+  the weights renamed by :func:`lmlab.interop.llama.state_dict_from_hf`.
+
+Three moments of a run use it. **Validation** (:func:`merge_tables`, so ``lmlab check`` shows it): the
+init's tables replace the manifest's; a value the manifest sets itself must agree with the init's, or
+it is refused naming the key, except where no weight depends on it: ``model.dropout``,
+``model.init_std`` (what ``strict = false`` initialises), ``model.block_size`` (the training window; a
+learned position table is cut to a smaller one) and the tokenizer's options (the vocabulary is the
+init's fitted one; options only change how text is encoded, e.g. the char tokenizer's ``unknown``).
+**Preparing tokens**: the tokenizer is the init's, loaded and never fitted again (fitting would assign
+other ids), and the token cache's key holds a digest of it (:func:`tokenizer_digest`). **Building the
+model** (:func:`initialise`, called by the runner right after the model is built, before anything
+wraps, adapts or shards it): the weights are loaded, checked name by name and shape by shape, and
+their source (path and SHA-256) is recorded in provenance.json and summary.json. A fine-tune that is
+resumed continues from its own last.ckpt: the init is not read again.
+
+Nothing here imports Lightning; reading the tables needs no weights, so validation stays light.
+"""
+
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmlab.errors import UserError
+
+#: The tables an init decides.
+GOVERNED = ("model", "position", "attention", "ffn", "tokenizer")
+#: [model] keys a fine-tune may set to another value than the init's: no weight depends on them.
+FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std"})
+RUN, HUGGING_FACE = "lmlab run", "Hugging Face Llama"
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path  # what init.from names
+    kind: str  # RUN or HUGGING_FACE
+    folder: Path  # the run folder or the Hugging Face folder
+    weights: tuple[Path, ...]  # the checkpoint file, or the safetensors files
+    tokenizer_dir: Path  # what the tokenizer plugin's load() reads
+
+
+def locate(path: Path, checkpoint: str = "best") -> Source:
+    """What ``init.from`` names, checked for the files a run needs (a UserError naming init.from)."""
+    path = Path(path).resolve()  # "exp/../runs/x" reads better as "runs/x", in messages and records
+
+    def refuse(message: str):
+        return UserError(f"{path}: {message}", key="init.from")
+
+    if path.is_file():
+        run = path.parent.parent
+        if path.suffix != ".ckpt" or path.parent.name != "checkpoints" or not (run / "manifest.toml").is_file():
+            raise refuse("is a file, but not a checkpoint of a run folder (<run>/checkpoints/<name>.ckpt)")
+        return Source(path, RUN, run, (path,), _run_tokenizer(run, refuse))
+    if not path.is_dir():
+        raise refuse("no such run folder, checkpoint or Hugging Face folder")
+    if (path / "manifest.toml").is_file():
+        found = [path / "checkpoints" / name for name in
+                 (("best.ckpt", "last.ckpt") if checkpoint == "best" else ("last.ckpt",))]
+        found = [p for p in found if p.is_file()]
+        if not found:
+            raise refuse(f"the run holds no checkpoints/{checkpoint}.ckpt"
+                         f"{' or last.ckpt' if checkpoint == 'best' else ''} (it never reached one)")
+        return Source(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
+    if (path / "config.json").is_file():
+        from lmlab.interop import llama
+
+        weights = llama.weight_files(path)
+        missing = [p.name for p in weights if not p.is_file()]
+        if missing:
+            other = " (only safetensors are read: pickled .bin weights can run code; convert with "\
+                    "save_pretrained(..., safe_serialization=True))" if list(path.glob("*.bin")) else ""
+            raise refuse(f"a Hugging Face folder without {', '.join(missing)}{other}")
+        if not (path / "tokenizer.json").is_file():
+            raise refuse("a Hugging Face folder without tokenizer.json (the `hf` tokenizer reads the fast-tokenizer "
+                         "file; AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
+        return Source(path, HUGGING_FACE, path, tuple(weights), path)
+    runs = sorted(p.name for p in path.iterdir() if (p / "manifest.toml").is_file())
+    if runs:
+        raise refuse(f"holds the runs of a sweep; name one of them ({', '.join(runs[:3])}"
+                     f"{', ...' if len(runs) > 3 else ''})")
+    raise refuse("is neither a run folder (manifest.toml) nor a Hugging Face folder (config.json)")
+
+
+def _run_tokenizer(run: Path, refuse) -> Path:
+    if not (run / "tokenizer").is_dir():
+        raise refuse("the run folder holds no tokenizer/ (a run writes it when it starts training)")
+    return run / "tokenizer"
+
+
+def source_tables(source: Source) -> dict[str, dict]:
+    """The init's [model], [position], [attention], [ffn] and [tokenizer] tables."""
+    if source.kind == RUN:
+        from lmlab.manifest import read_toml
+
+        recorded = read_toml(source.folder / "manifest.toml")
+        absent = [t for t in GOVERNED if not isinstance(recorded.get(t), dict)]
+        if absent:
+            raise UserError(f"{source.folder}: its manifest.toml has no [{absent[0]}] table; is it a run folder?",
+                            key="init.from")
+        return {t: recorded[t] for t in GOVERNED}
+    from lmlab.interop import llama
+
+    try:
+        tables = llama.manifest_tables(llama.read_config(source.folder))
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{source.folder}: cannot be read as a Llama checkpoint: {type(exc).__name__}: {exc}",
+                        key="init.from") from None
+    tables["tokenizer"] = {"use": "hf", "path": str(source.folder)}
+    return tables
+
+
+# -- validation -------------------------------------------------------------------------------------
+
+def merge_tables(manifest: dict, init, explicit: list[str] | None, base_dir: Path) -> dict:
+    """``manifest`` with the init's tables in place of its own; a UserError naming the key for a value
+    the manifest sets (``explicit``: the dotted keys the user gave; None: every key present) that the
+    init contradicts. ``init`` is the validated [init] table."""
+    source = locate(init.from_, init.checkpoint)
+    tables = source_tables(source)
+    out = dict(manifest)
+    for table in GOVERNED:
+        mine = manifest.get(table, {})
+        if not isinstance(mine, dict):
+            continue  # validation says it must be a table
+        keys = _user_keys(table, mine, explicit)
+        _check_agreement(table, tables[table], {k: mine[k] for k in keys}, source, base_dir)
+        out[table] = {**tables[table], **{k: mine[k] for k in keys}}
+    return out
+
+
+def _user_keys(table: str, values: dict, explicit: list[str] | None) -> list[str]:
+    if explicit is None or table in explicit:  # unknown, or the whole table given (a sweep axis of tables)
+        return list(values)
+    return [k for k in values if f"{table}.{k}" in explicit or any(e.startswith(f"{table}.{k}.") for e in explicit)]
+
+
+def _check_agreement(table: str, theirs: dict, mine: dict, source: Source, base_dir: Path) -> None:
+    from lmlab import discovery
+    from lmlab.config import CORE_TABLES
+    from lmlab.validate import validate_options
+
+    def refuse(key: str, was, now, what: str):
+        was, now = ("unset" if v is None else repr(v) for v in (was, now))
+        raise UserError(f"is {now} here, but {was} in the init ({source.path}); a run that starts from "
+                        f"[init] keeps the init's {what}: leave {table}.{key} out, or start from another init",
+                        key=f"{table}.{key}")
+
+    if table == "tokenizer":
+        if "use" in mine and mine["use"] != theirs.get("use"):
+            refuse("use", theirs.get("use"), mine["use"], "fitted tokenizer (its token ids are the model's)")
+        return
+    if table == "model":
+        options_cls, plugin = CORE_TABLES["model"], None
+        checked = [k for k in mine if k not in FREE_MODEL_KEYS]
+    else:
+        if "use" in mine and mine["use"] != theirs.get("use"):
+            refuse("use", theirs.get("use"), mine["use"], f"{table} plugin")
+        options_cls = discovery.load(table, theirs["use"], key=f"{table}.use").Options
+        plugin, checked = theirs["use"], [k for k in mine if k != "use"]
+    if not checked:
+        return
+    def resolved(values: dict) -> dict:  # every option, defaults filled in, as the run would use it
+        options = {k: v for k, v in values.items() if k != "use"}
+        return validate_options(options_cls, options, table, base_dir, plugin).model_dump(mode="json")
+
+    was, now = resolved(theirs), resolved({**theirs, **mine})
+    for key in checked:
+        if was.get(key) != now.get(key):
+            refuse(key, was.get(key), now.get(key), "shape" if table == "model" else f"{table} options")
+
+
+# -- tokens ----------------------------------------------------------------------------------------
+
+def tokenizer_dir(variant) -> Path | None:
+    """Where the init's fitted tokenizer is (for the tokenizer plugin's ``load``); None without [init]."""
+    init = variant.manifest.get("init")
+    if not init:
+        return None
+    return locate(Path(init["from"]), init["checkpoint"]).tokenizer_dir
+
+
+def tokenizer_digest(variant) -> str | None:
+    """SHA-256 of the init's fitted tokenizer as the tokenizer plugin saves it (part of the token
+    cache's key: two inits whose tokenizers differ never share tokens); None without [init]."""
+    directory = tokenizer_dir(variant)
+    if directory is None:
+        return None
+    tokenizer = variant.instantiate("tokenizer")
+    tokenizer.load(directory)
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="lmlab-tokenizer-") as tmp:
+        tokenizer.save(Path(tmp))
+        for path in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
+            digest.update(f"{path.relative_to(tmp)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# -- weights ---------------------------------------------------------------------------------------
+
+def initialise(variant, model, run_dir: Path | None = None, resuming: bool = False) -> dict | None:
+    """Load the [init]'s weights into ``model`` (just built, not yet wrapped or sharded) and return the
+    record of where they came from; None without [init]. ``resuming``: the run continues from its own
+    last.ckpt, so nothing is loaded and the record is the one written when it started."""
+    init = variant.manifest.get("init")
+    if not init:
+        return None
+    source = locate(Path(init["from"]), init["checkpoint"])
+    if resuming:
+        recorded = _recorded(run_dir)
+        return recorded if recorded else {"from": str(source.path), "format": source.kind,
+                                          "weights": [{"path": str(p)} for p in source.weights]}
+    step = None
+    if source.kind == RUN:
+        from lmlab.checkpoint import model_state
+
+        state, step = model_state(source.weights[0])
+        their_block = source_tables(source)["model"].get("block_size")
+    else:
+        from lmlab.interop import llama
+
+        try:
+            state = llama.read_state(source.folder)
+        except ImportError as exc:
+            raise UserError(f"reading Hugging Face weights needs the safetensors package ({exc}): "
+                            "pip install safetensors", key="init.from") from None
+        their_block = None  # RoPE: no weight depends on the context length
+    load_state(model, state, strict=init["strict"], their_block_size=their_block, source=source.path)
+    record = {"from": str(source.path), "format": source.kind,
+              "weights": [{"path": str(p), "sha256": sha256(p)} for p in source.weights]}
+    if step is not None:
+        record["step"] = step
+    return record
+
+
+def load_state(model, state: dict, strict: bool = True, their_block_size: int | None = None,
+               source: Path | str = "the init") -> None:
+    """Copy ``state`` into ``model`` name by name; a UserError for a shape that differs (naming the
+    parameter) or, when ``strict``, for a weight either side lacks (naming init.strict). A position
+    table sized by a larger ``their_block_size`` is cut to the model's block_size."""
+    own = model.state_dict()
+    block = model.shape.block_size
+    fitted = {}
+    for name, value in state.items():
+        if name not in own:
+            continue
+        want = tuple(own[name].shape)
+        if tuple(value.shape) != want:
+            sized_by_block = (their_block_size is not None and value.dim() >= 1 and value.shape[0] == their_block_size
+                              and want == (block, *value.shape[1:]))
+            if sized_by_block and block < their_block_size:
+                value = value[:block]  # positions past the new training window are never used
+            elif sized_by_block:
+                raise UserError(f"{block} is larger than the init's {their_block_size}, for which its {name} "
+                                f"{tuple(value.shape)} was trained", key="model.block_size")
+            else:
+                raise UserError(f"{source}: its {name} has shape {tuple(value.shape)}, this model's {want}",
+                                key="init.from")
+        fitted[name] = value
+    missing = [k for k in own if k not in fitted]
+    unexpected = [k for k in state if k not in own]
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"lacks {len(missing)} weight(s) this model has ({', '.join(missing[:4])}"
+                         f"{', ...' if len(missing) > 4 else ''})")
+        if unexpected:
+            parts.append(f"holds {len(unexpected)} this model has not ({', '.join(unexpected[:4])}"
+                         f"{', ...' if len(unexpected) > 4 else ''})")
+        raise UserError(f"the init ({source}) {' and '.join(parts)}; set init.strict = false to keep fresh "
+                        "weights where the init has none", key="init.strict")
+    model.load_state_dict(fitted, strict=False)
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _recorded(run_dir: Path | None) -> dict | None:
+    if run_dir is None:
+        return None
+    try:
+        return json.loads((run_dir / "provenance.json").read_text()).get("init")
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,1 @@
+"""Hugging Face tokenizers for lmlab (entry point ``hf``)."""
