@@ -41,7 +41,8 @@ from pathlib import Path
 
 from lmlab import pretrained
 from lmlab.prepare.report import Progress
-from lmlab.prepare.stages import FORMAT, Build, Listener
+from lmlab.prepare.stages import FORMAT, Build, Listener, filter_specs
+from lmlab.prepare.work import Workers
 
 DEFAULT_SHARD_MB = 16.0
 
@@ -82,19 +83,25 @@ def prepare(variant, root: Path | None = None, workers: int | None = None, shard
     """The folder of the variant's prepared corpus: found in the cache, or built (resuming a build
     that was interrupted). ``workers``: processes that filter and tokenise, this one included."""
     root = root or cache_root()
-    source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
-    key = key or cache_key(variant, source)
-    final = root / "tokens" / key
-    if (final / "index.json").is_file():
-        return final
-    building = root / "partial"
-    building.mkdir(parents=True, exist_ok=True)
-    listener = listener or Progress()
-    with _locked(building / f"{key}.lock", listener):
-        if not (final / "index.json").is_file():  # unless another process built it while we waited
-            shard_bytes = int((shard_mb or DEFAULT_SHARD_MB) * 2**20)
-            Build(variant, source, key, final, building / key, workers or default_workers(), shard_bytes,
-                  listener).run()
+    workers = workers or default_workers()
+    filters = filter_specs(variant)
+    # Filtering worker processes take about a second to start (they import their plugins): start
+    # them now, while the data source's files are hashed for the cache key; stopped on a cache hit.
+    with Workers(workers, filters) as pool:
+        if filters:
+            pool.start()
+        source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
+        key = key or cache_key(variant, source)
+        final = root / "tokens" / key
+        if (final / "index.json").is_file():
+            return final
+        building = root / "partial"
+        building.mkdir(parents=True, exist_ok=True)
+        listener = listener or Progress()
+        with _locked(building / f"{key}.lock", listener):
+            if not (final / "index.json").is_file():  # unless another process built it while we waited
+                shard_bytes = int((shard_mb or DEFAULT_SHARD_MB) * 2**20)
+                Build(variant, source, key, final, building / key, workers, shard_bytes, listener, pool).run()
     return final
 
 

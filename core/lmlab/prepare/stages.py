@@ -26,17 +26,22 @@ SPLITS = ("train", "val")
 Listener = Callable[[str, dict], None]
 
 
+def filter_specs(variant) -> list[PluginSpec]:
+    """The variant's filters in manifest order, as worker processes rebuild them."""
+    return [PluginSpec(cls, cls.name, variant.options("filter", cls.name)) for cls in variant.plugins.get("filter", [])]
+
+
 class Build:
     """One preparation of one cache entry, from its partial folder to the finished one."""
 
     def __init__(self, variant, source, key: str, final: Path, partial: Path, workers: int, shard_bytes: int,
-                 listener: Listener):
+                 listener: Listener, pool: Workers | None = None):
         self.variant, self.key, self.final, self.partial = variant, key, final, partial
         self.spool = partial / "text"
         self.workers, self.listener = workers, listener
         self.source = source  # the data source whose fingerprint is in the key
-        self.filters = [PluginSpec(cls, cls.name, variant.options("filter", cls.name))
-                        for cls in variant.plugins.get("filter", [])]
+        self.filters = filter_specs(variant)
+        self.pool = pool  # a pool started earlier by the caller, or None
         tok_cls = variant.plugins["tokenizer"]
         self.tokenizer = PluginSpec(tok_cls, tok_cls.name, variant.options("tokenizer"))
         self.val_fraction = variant.manifest["data"]["val_fraction"]
@@ -54,10 +59,10 @@ class Build:
 
     def run(self) -> None:
         try:
-            with Workers(self.workers, self.filters) as pool:
+            with self.pool or Workers(self.workers, self.filters) as pool:
                 if self.filters and not (self.partial / "tokenizer").is_dir():  # filtering to do
-                    # Workers take a second or two to start (they import torch with lmlab.api): let
-                    # them start while this process checks the partial build and reads documents.
+                    # Workers take a second to start (they import their plugins): let them start
+                    # while this process checks the partial build and reads documents.
                     pool.start()
                 self._resume_or_start()
                 if self.state["stage"] == "filter":
