@@ -59,6 +59,9 @@ class DataOptions(Options):
     val_fraction: float = Field(
         0.1, gt=0, lt=1, help="share of the corpus held out for validation: the end of a single document, "
                               "else every (1/val_fraction)-th document")
+    replay: float = Field(
+        0.0, ge=0, lt=1, help="share of training rows taken instead from the [init] run's own training corpus "
+                              "(replay against forgetting while fine-tuning; API 1.4)")
 
 
 class DataSource(Plugin):
@@ -85,7 +88,8 @@ class DataSource(Plugin):
 
         The default hashes the options; sources that read files should also hash their contents.
         """
-        blob = json.dumps(self.options.model_dump(mode="json"), sort_keys=True)
+        # replay decides what training mixes in, not which documents this source yields.
+        blob = json.dumps(self.options.model_dump(mode="json", exclude={"replay"}), sort_keys=True)
         return hashlib.sha256(f"{self.name}:{blob}".encode()).hexdigest()
 
     def stats(self) -> dict[str, int]:

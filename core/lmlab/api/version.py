@@ -39,6 +39,7 @@ plugin whose range excludes this version. Bump the minor version when the API ga
      ``merge``, ``regularization``, ``extra_state``, ``parallel``), with ``AttentionModule.peft_roles`` /
      ``FFNModule.peft_roles`` (role → submodule: q/k/v/o, up/down/gate) and ``module_roles`` /
      ``resolve_roles`` (roles → full module names of the model).
+     ``DataOptions.replay``: a share of fine-tuning rows drawn from the ``[init]`` run's training corpus.
 """
 
 API_VERSION = "1.4"

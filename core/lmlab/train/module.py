@@ -8,6 +8,7 @@ from lmlab.api import IGNORE_INDEX
 from lmlab.model import compute_loss
 from lmlab.train.batches import FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows
 from lmlab.train.memory import SavedBytes
+from lmlab.train.replay import Replayed
 from lmlab.train.schedule import WarmupDecay
 
 
@@ -173,8 +174,9 @@ class TokenDataModule(L.LightningDataModule):
     """
 
     def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
-                 seed: int, grad_accum: int, objective=None):
+                 seed: int, grad_accum: int, objective=None, replay=None, replay_fraction: float = 0.0):
         super().__init__()
+        self.replay, self.replay_fraction = replay, replay_fraction  # lmlab.train.replay
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.eval_batch_size, self.eval_steps, self.seed = eval_batch_size, eval_steps, seed
         self.grad_accum = grad_accum
@@ -203,6 +205,9 @@ class TokenDataModule(L.LightningDataModule):
         else:
             windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
                                     rich=self.rich, labels=self.labels["train"], **replicas)
+        if self.replay is not None:
+            windows = Replayed(windows, self.replay, self.replay_fraction, self.block_size, self.batch_size,
+                               self.seed, **replicas)
         # Own generators: iterating a DataLoader draws a seed from its generator, and drawing it from
         # the global one would shift every later dropout mask when a resumed run re-creates it.
         return DataLoader(windows, batch_size=None, generator=torch.Generator())

@@ -17,6 +17,7 @@ from lmlab.api import RunInfo
 from lmlab.hooks import Hooks
 from lmlab.train import adapters, build, tokens as token_cache
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
+from lmlab.train.replay import replay_corpus
 from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
 
 
@@ -74,7 +75,9 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     tracker = plugins["tracker"]
     eval_bs = cfg["eval_batch_size"] or 4 * cfg["batch_size"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg["batch_size"], eval_bs, cfg["eval_steps"],
-                                 variant.manifest["seed"], cfg["grad_accum"], objective=plugins["objective"])
+                                 variant.manifest["seed"], cfg["grad_accum"], objective=plugins["objective"],
+                                 replay=replay_corpus(variant, plugins["objective"]),
+                                 replay_fraction=variant.manifest["data"].get("replay") or 0.0)
     module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"],
                       parallel=plugins["parallel"], peft=peft)
     recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,

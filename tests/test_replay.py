@@ -1,0 +1,155 @@
+"""[data] replay: a share of fine-tuning rows drawn from the [init] run's own training corpus."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lmlab import manifest
+from lmlab.api import Windows
+from lmlab.cli.main import main
+from lmlab.train import runner
+from lmlab.train.batches import RandomDocuments, RandomWindows
+from lmlab.train.replay import Replayed
+
+from conftest import CORPUS
+
+MAIN = np.arange(100_000, 110_000, dtype=np.int64)  # token values tell the corpora apart
+REPLAY = np.arange(0, 50_000, dtype=np.int64)
+
+
+def replayed(fraction, replica=0, replicas=1, rich=False, batch_size=8):
+    inner = RandomWindows(MAIN, 16, batch_size, seed=5, replica=replica, replicas=replicas, rich=rich,
+                          labels=(lambda positions: np.zeros(positions.shape, np.uint8)) if rich else None)
+    return Replayed(inner, REPLAY, fraction, 16, batch_size, seed=5, replica=replica, replicas=replicas)
+
+
+def is_replay_row(row: torch.Tensor) -> bool:
+    return bool((row < 100_000).all())
+
+
+def test_the_share_of_replayed_rows_matches_the_option_and_each_is_a_window_of_the_corpus():
+    data = replayed(0.2)
+    rows = [row for i in range(400) for row in data.batch(i)]  # 3200 rows
+    replays = [row for row in rows if is_replay_row(row)]
+    share = len(replays) / len(rows)
+    assert abs(share - 0.2) < 4 * (0.2 * 0.8 / len(rows)) ** 0.5  # within 4 sigma
+    for row in replays[:50]:  # consecutive tokens of the replay corpus
+        assert torch.equal(row, torch.arange(row[0].item(), row[0].item() + 17))
+    for row in rows:  # no row mixes the two corpora
+        assert is_replay_row(row) or bool((row >= 100_000).all())
+
+
+def test_replayed_rows_are_the_same_again_and_replicas_take_their_slice_of_the_global_batch():
+    whole = replayed(0.3, batch_size=8)
+    for i in range(20):
+        assert torch.equal(whole.batch(i), replayed(0.3, batch_size=8).batch(i))  # a pure function of (seed, step)
+        halves = [replayed(0.3, replica=r, replicas=2, batch_size=4).batch(i) for r in (0, 1)]
+        assert torch.equal(torch.cat(halves), whole.batch(i))
+
+
+def test_in_windows_a_replayed_row_is_scored_everywhere_and_never_padded():
+    docs = np.arange(0, 10_000, 50)
+    inner = RandomDocuments(MAIN, docs, 16, 8, seed=5, labels=lambda p: np.zeros(p.shape, np.uint8))
+    data = Replayed(inner, REPLAY, 0.5, 16, 8, seed=5)
+    seen = 0
+    for i in range(20):
+        batch = data.batch(i)
+        assert isinstance(batch, Windows)
+        for row, labels, padding in zip(batch.tokens, batch.labels, batch.padding):
+            if is_replay_row(row):
+                seen += 1
+                assert labels.all() and not padding.any()
+            else:
+                assert not labels.any()
+    assert seen > 20
+
+
+def test_no_replay_leaves_the_batches_untouched():
+    assert torch.equal(replayed(0.0).batch(3), RandomWindows(MAIN, 16, 8, seed=5).batch(3))
+
+
+BASE = """
+name = "base"
+seed = 3
+[data]
+use = "text-file"
+path = "{data}"
+[model]
+n_layers = 2
+d_model = 32
+n_heads = 4
+block_size = 16
+[train]
+max_steps = 2
+batch_size = 4
+warmup_steps = 1
+eval_every = 2
+eval_steps = 2
+checkpoint_every = 2
+sample_tokens = 0
+[tracker]
+use = "none"
+"""
+
+SFT = """
+name = "sft"
+[init]
+from = "{init}"
+[data]
+use = "alpaca"
+path = "{data}"
+template = "compact"
+response_end = "\\n"
+replay = 0.5
+[objective]
+use = "sft"
+packing = false
+[train]
+max_steps = 4
+batch_size = 4
+warmup_steps = 1
+eval_every = 4
+eval_steps = 2
+checkpoint_every = 4
+sample_tokens = 0
+[tracker]
+use = "none"
+"""
+
+
+def test_a_fine_tune_replays_its_init_runs_corpus_and_replay_needs_an_lmlab_init(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:30_000])
+    (tmp_path / "base.toml").write_text(BASE.format(data="tiny.txt"))
+    (base,) = manifest.load(tmp_path / "base.toml")
+    runner.run_variant(base, tmp_path / "runs" / "base")
+    records = tmp_path / "tasks.jsonl"
+    records.write_text("".join(json.dumps({"instruction": "Say it.", "input": w, "output": w}) + "\n"
+                               for w in ("to be", "or not", "that is", "the question") * 10))
+    path = tmp_path / "sft.toml"
+    path.write_text(SFT.format(init=tmp_path / "runs" / "base", data=records.name))
+    (variant,) = manifest.load(path)
+    seen = []
+
+    class Spy:
+        from lmlab.api import hookimpl
+
+        @hookimpl
+        def lmlab_model_built(self, model, manifest):
+            seen.append(True)
+
+    result = runner.run_variant(variant, tmp_path / "runs" / "sft", extra_hooks=[Spy()])
+    assert result.summary["status"] == "completed" and seen
+    data = result.module.trainer.datamodule
+    batches = Replayed(RandomDocuments(data.tokens.train, data.tokens.document_starts("train"), 16, 4, seed=1),
+                       data.replay, 0.5, 16, 4, seed=1)
+    replay_rows = sum(int(r) for i in range(10) for r in (batches.batch(i).padding.sum(dim=1) == 0))
+    assert replay_rows > 0
+    # The replayed corpus is the init run's training split, tokenised by the same tokenizer.
+    assert len(data.replay) == json.loads((tmp_path / "runs" / "base" / "summary.json").read_text())["data"]["tokens"]["train"]
+
+    no_init = tmp_path / "no-init.toml"
+    no_init.write_text(SFT.replace('[init]\nfrom = "{init}"\n', "").format(data=records.name))
+    assert main(["run", str(no_init), "--out", str(tmp_path / "x")]) == 2
+    assert "data.replay" in capsys.readouterr().err
