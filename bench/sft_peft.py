@@ -8,7 +8,7 @@ adapter file's size, peak memory, the median step time, held-out exact match ove
 and the ratio of each method's exact match to full fine-tuning's (the issue's target for LoRA: at
 least 0.9, with under 2 % of the parameters trained).
 
-    python bench/sft_peft.py [--runs runs] [--limit N] [--set train.max_steps=300 ...]
+    python bench/sft_peft.py [--runs runs] [--pretrained RUN] [--limit N] [--set train.max_steps=300 ...]
 
 Everything goes through the CLI, as a user would run it; the runs stay in ``--runs`` so that the
 table can be printed again (finished runs are not trained again).
@@ -41,13 +41,18 @@ def tasks(limit: int | None) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="where the runs go")
+    parser.add_argument("--pretrained", type=Path, default=None,
+                        help="an existing run to fine-tune from (default: run experiments/sft-pretrain.toml)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N held-out records")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override the fine-tuning manifest")
     args = parser.parse_args()
-    pre, sft = args.runs / "sft-pretrain", args.runs / "sft-peft"
-    lmlab("run", str(ROOT / "experiments" / "sft-pretrain.toml"), "--out", str(pre))
-    sets = [f"init.from={json.dumps(str(pre / 'default'))}"] + args.overrides
+    sft = args.runs / "sft-peft"
+    base = args.pretrained
+    if base is None:
+        lmlab("run", str(ROOT / "experiments" / "sft-pretrain.toml"), "--out", str(args.runs / "sft-pretrain"))
+        base = args.runs / "sft-pretrain" / "default"
+    sets = [f"init.from={json.dumps(str(base.resolve()))}"] + args.overrides
     lmlab("run", str(ROOT / "experiments" / "sft-peft.toml"), "--out", str(sft), *(x for s in sets for x in ("--set", s)))
     order = json.loads((sft / "sweep.json").read_text())["variants"]
     kinds = tasks(args.limit)
