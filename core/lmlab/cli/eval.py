@@ -23,32 +23,28 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from lmlab import manifest
     from lmlab.api import Record
     from lmlab.evaluate import answer_all, exact_match
     from lmlab.trained import load_run, refuse_bidirectional
 
-    if not (args.run_dir / "manifest.toml").is_file():
-        raise UserError("is not a run folder (no manifest.toml)", key=str(args.run_dir))
     if not args.data.is_file():
         raise UserError("no such file", key=str(args.data))
     if args.limit is not None and args.limit < 1:
         raise UserError("must be positive", key="--limit")
     # The run's own data plugin reads the records, pointed at the held-out file: same template.
     overrides = [*args.overrides, f"data.path={json.dumps(str(args.data.resolve()))}"]
-    (variant,) = manifest.load(args.run_dir / "manifest.toml", overrides, resolve_init=False)
-    refuse_bidirectional(variant)
+    run = load_run(args.run_dir, overrides)
+    refuse_bidirectional(run.variant)
     records = []
-    for doc in variant.instantiate("data").documents():
+    for doc in run.variant.instantiate("data").documents():
         if not isinstance(doc, Record):
-            raise UserError(f"data plugin {variant.manifest['data']['use']!r} yields plain text, not "
+            raise UserError(f"data plugin {run.variant.manifest['data']['use']!r} yields plain text, not "
                             "prompt/response records (use e.g. alpaca)", key="data.use")
         records.append(doc)
         if args.limit is not None and len(records) >= args.limit:
             break
     if not records:
         raise UserError("holds no records", key=str(args.data))
-    run = load_run(args.run_dir, args.overrides)
     answers = answer_all(run.model, run.tokenizer, records, stop=args.stop)
     score = exact_match(answers)
     if args.out is not None:

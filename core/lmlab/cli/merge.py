@@ -48,7 +48,9 @@ def main(args) -> int:
         raise UserError("was trained without a [peft] table: there is no adapter to merge", key=str(run_dir))
     run = load_run(run_dir)
     model, shape, step, plugin = run.model, run.shape, run.step, run.peft
-    plain_keys = set(build.build_model(variant, shape, run.plugins).state_dict())
+    # The plain model's entry names, from a copy on the meta device: names only, no memory.
+    with torch.device("meta"):
+        plain_keys = set(build.build_model(variant, shape, run.plugins).state_dict())
     checkpoint = best_or_last(run_dir)
     if plugin is None:
         raise UserError(f"its peft plugin {variant.manifest['peft']['use']!r} added no adapter: the checkpoint "

@@ -24,7 +24,7 @@ from lmlab.api import Windows
 from lmlab.api.batch import stream_seed
 
 # Streams of one run's randomness, mixed with the seed: window offsets use default_rng([seed, 0, i]).
-TRAIN_DRAWS, VAL_DRAWS, EPOCH_ORDER = 1, 2, 3
+TRAIN_DRAWS, VAL_DRAWS, EPOCH_ORDER, REPLAY_DRAWS = 1, 2, 3, 4
 
 
 def _labels(labels, positions: np.ndarray) -> torch.Tensor | None:

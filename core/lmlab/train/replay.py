@@ -21,8 +21,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from lmlab.api import UserError, Windows
-
-REPLAY_DRAWS = 4  # the stream of the seed this module draws from (batches.py uses 0-3)
+from lmlab.train.batches import REPLAY_DRAWS
 
 
 def replay_corpus(variant, objective):
