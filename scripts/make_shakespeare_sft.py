@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
 """Writes the Shakespeare instruction task: Alpaca-format records made from data/tinyshakespeare.txt.
 
-Three kinds of instruction, one record of each per speech (a speaker's turn), about 21,000 in all:
+Three kinds of instruction, one record of each per speech (a speaker's turn), about 21,000 in all.
+Each asks for something the pretrained model learned, so the comparison of fine-tuning methods
+measures how well each one teaches the model to *use* its knowledge in the instruction format:
 
-- ``speaker``: "Who speaks this line?" — the character's name. Knowledge: the answer is not in the
-  input, it comes from what the model learned in pretraining (the corpus holds every line).
-- ``last-word``: "What is the last word of this line?" — a copy from the input.
-- ``capitals``: "Repeat this line in capital letters." — a transformation of the whole input.
+- ``speaker``: "Who speaks this line?" — the character's name, which the input does not hold.
+- ``finish-word``: "Finish the last word of this line." — the input stops inside its last word
+  (after at least two of its letters, at least two letters short of its end); the answer is the
+  rest of the word.
+- ``next-word``: "Which word comes next?" — the input is the line's first words (at least two);
+  the answer is the word that follows.
+
+Tasks that copy from the input (the line's last word, the line in capitals) are not among them: a
+character model pretrained for tens of CPU minutes has formed no induction heads (its loss on the
+second copy of a repeated line equals the first's), so no method learns to copy in a short
+fine-tune and those tasks would score zero for all of them.
 
 Every 10th speech goes to the held-out set, the rest to the training set, so held-out lines are never
 fine-tuned on (they were seen in pretraining, as any instruction-tuned model's knowledge was). Lines
@@ -45,13 +54,18 @@ def records(speaker: str, lines: list[str], rng: random.Random) -> list[dict]:
     if not usable:
         return []
     line = rng.choice(usable)
-    words = re.findall(r"[A-Za-z']+", line)
-    out = [{"task": "speaker", "instruction": "Who speaks this line?", "input": line, "output": speaker}]
-    if words:
-        out.append({"task": "last-word", "instruction": "What is the last word of this line?", "input": line,
-                    "output": words[-1]})
-    out.append({"task": "capitals", "instruction": "Repeat this line in capital letters.", "input": line,
-                "output": line.upper()})
+    # Each input ends where its answer starts (a line break, a space, the middle of a word).
+    out = [{"task": "speaker", "instruction": "Who speaks this line?", "input": line + "\n", "output": speaker}]
+    words = list(re.finditer(r"[A-Za-z']+", line))
+    last = words[-1] if words else None
+    if last and len(last.group()) >= 4:
+        cut = last.start() + rng.randint(2, len(last.group()) - 2)
+        out.append({"task": "finish-word", "instruction": "Finish the last word of this line.",
+                    "input": line[:cut], "output": line[cut:last.end()]})
+    if len(words) >= 3:
+        k = rng.randint(2, len(words) - 1)
+        out.append({"task": "next-word", "instruction": "Which word comes next?",
+                    "input": line[:words[k].start()], "output": words[k].group()})
     return out
 
 

@@ -80,3 +80,28 @@ def test_a_sweep_axis_over_whole_tables_links_options(tiny_manifest):
     assert (mha.name, gqa.name) == ("attention=mha", "attention=gqa+n_kv_heads=2")
     assert mha.manifest["attention"] == {"use": "mha"}
     assert gqa.manifest["attention"] == {"use": "gqa", "n_kv_heads": 2}
+
+
+def test_a_linked_sweep_axis_sets_several_keys_per_point_and_crosses_the_other_axes(tiny_manifest):
+    path = tiny_manifest('[sweep]\n"model.n_layers" = [1, 2]\n'
+                         'linked = [{attention = {use = "mha"}, "optimizer.lr" = 3e-4},\n'
+                         '          {attention = {use = "gqa", n_kv_heads = 2}, "optimizer.lr" = 2e-3}]\n')
+    variants = manifest.load(path)
+    assert [v.name for v in variants] == [
+        f"model.n_layers={n},{point}" for n in (1, 2)
+        for point in ("attention=mha,optimizer.lr=0.0003", "attention=gqa+n_kv_heads=2,optimizer.lr=0.002")]
+    last = variants[-1].manifest
+    assert last["attention"] == {"use": "gqa", "n_kv_heads": 2} and last["optimizer"]["lr"] == 2e-3
+    assert last["optimizer"]["use"] == "adamw" and last["model"]["n_layers"] == 2
+
+
+def test_a_linked_entry_naming_no_slot_is_refused_with_its_position(tiny_manifest):
+    import pytest
+    from lmlab.errors import UserError
+
+    path = tiny_manifest('[sweep]\nlinked = [{"optimizer.lr" = 1e-3}, {"optimiser.lr" = 1e-3}]\n')
+    with pytest.raises(UserError, match="optimiser.lr") as info:
+        manifest.load(path)
+    assert info.value.key == "sweep.linked[1].'optimiser.lr'"
+    with pytest.raises(UserError, match="non-empty table"):
+        manifest.load(tiny_manifest('[sweep]\nlinked = [3]\n'))

@@ -17,6 +17,7 @@ from lmlab.discovery import MANY_SLOTS, SLOTS, did_you_mean
 from lmlab.errors import UserError
 
 TOP_LEVEL = ("name", "seed", "description", "sweep")
+LINKED = "linked"  # the [sweep] axis whose entries each set several keys together
 CORE_TABLE_NAMES = ("model", "train", "init")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
@@ -169,8 +170,15 @@ def _expand(merged: dict, sweep: dict):
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
             raise UserError("a sweep axis must be a non-empty list", key=f"sweep.{key!r}")
-        if key.split(".")[0] not in (*SLOTS, *CORE_TABLE_NAMES, "seed"):
-            raise UserError(f"sweep key {key!r} names no slot or table", key=f"sweep.{key!r}")
+        if key == LINKED:
+            for i, entry in enumerate(values):
+                if not isinstance(entry, dict) or not entry:
+                    raise UserError("each entry must be a non-empty table of dotted keys to values, set together",
+                                    key=f"sweep.linked[{i}]")
+                for sub in entry:
+                    _check_axis_key(sub, f"sweep.linked[{i}].{sub!r}")
+        else:
+            _check_axis_key(key, f"sweep.{key!r}")
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise UserError("must be a non-empty list of integers", key="sweep.seeds")
@@ -179,7 +187,12 @@ def _expand(merged: dict, sweep: dict):
         for seed in seeds or [None]:
             manifest = copy.deepcopy(merged)
             parts = []
+            settings = {}
             for key, value in zip(axes, point):
+                # A `linked` entry is one point of several keys at once, e.g. a learning rate tuned
+                # per method: {peft = {use = "lora", r = 8}, "optimizer.lr" = 2e-3}.
+                settings.update(value if key == LINKED else {key: value})
+            for key, value in settings.items():
                 if isinstance(value, dict) and "." not in key:
                     # A whole table per point: linked options that a product of axes cannot
                     # express, e.g. {use = "moe", top_k = 2, hidden = 256} against {use = "mlp"}.
@@ -190,8 +203,13 @@ def _expand(merged: dict, sweep: dict):
             if seed is not None:
                 manifest["seed"] = seed
                 parts.append(f"seed={seed}")
-            manifest["_sweep"] = dict(zip(axes, point))
+            manifest["_sweep"] = settings
             yield (",".join(parts) or "default"), manifest
+
+
+def _check_axis_key(key: str, where: str) -> None:
+    if key.split(".")[0] not in (*SLOTS, *CORE_TABLE_NAMES, "seed"):
+        raise UserError(f"sweep key {key!r} names no slot or table", key=where)
 
 
 def _short(value: Any) -> str:

@@ -182,11 +182,16 @@ def _sweep(properties: dict) -> dict:
                            "items": {"$ref": f"#/properties/{table}", "required": ["use"]},
                            "description": f"whole [{table}] tables, one variant each"}
     heads = "|".join(("seed", *CORE_TABLES, *SLOTS))
+    axes["linked"] = {"type": "array", "minItems": 1,
+                      "items": {"type": "object", "minProperties": 1,
+                                "propertyNames": {"pattern": rf"^({heads})(\..+)?$"}},
+                      "description": "points that set several keys together (a learning rate tuned per "
+                                     "method, say): each entry maps dotted keys or slot names to one value"}
     return {
         "type": "object",
         "description": "an ablation grid: the Cartesian product of these lists, each point one variant",
         "properties": axes,
-        "propertyNames": {"pattern": rf"^(seeds|({heads})(\..+)?)$"},
+        "propertyNames": {"pattern": rf"^(seeds|linked|({heads})(\..+)?)$"},
         "additionalProperties": {"type": "array", "minItems": 1},
     }
 
