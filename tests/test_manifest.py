@@ -105,3 +105,5 @@ def test_a_linked_entry_naming_no_slot_is_refused_with_its_position(tiny_manifes
     assert info.value.key == "sweep.linked[1].'optimiser.lr'"
     with pytest.raises(UserError, match="non-empty table"):
         manifest.load(tiny_manifest('[sweep]\nlinked = [3]\n'))
+    with pytest.raises(UserError, match="also a sweep axis"):
+        manifest.load(tiny_manifest('[sweep]\n"optimizer.lr" = [1e-3]\nlinked = [{"optimizer.lr" = 2e-3}]\n'))

@@ -177,6 +177,9 @@ def _expand(merged: dict, sweep: dict):
                                     key=f"sweep.linked[{i}]")
                 for sub in entry:
                     _check_axis_key(sub, f"sweep.linked[{i}].{sub!r}")
+                    if sub in axes:  # one key, two axes: which value wins would be an accident
+                        raise UserError(f"{sub!r} is also a sweep axis of its own; set it in one place",
+                                        key=f"sweep.linked[{i}].{sub!r}")
         else:
             _check_axis_key(key, f"sweep.{key!r}")
     if seeds is not None and (not isinstance(seeds, list) or not seeds
