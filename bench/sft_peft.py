@@ -18,6 +18,7 @@ table can be printed again (finished runs are not trained again).
 
 import argparse
 import gzip
+import hashlib
 import json
 import subprocess
 import sys
@@ -62,18 +63,18 @@ def main() -> None:
     lmlab("run", str(SFT_PEFT), "--out", str(sft), *(x for s in sets for x in ("--set", s)))
     order = json.loads((sft / "sweep.json").read_text())["variants"]
     kinds = tasks(args.limit)
-    limit = ["--limit", str(args.limit)] if args.limit else []
     # The base model before any fine-tuning, prompted with the sweep's own template: what the
     # instruction format alone gets out of it.
     data = tomllib.loads(SFT_PEFT.read_text())["data"]
     base_sets = [f"data.{k}={json.dumps(v)}" for k, v in data.items() if k not in ("path", "replay", "val_fraction")]
+    tag = hashlib.sha256(str(base.resolve()).encode()).hexdigest()[:8]  # another base, other answers
     rows = [{"variant": "base model, not fine-tuned", "summary": None,
-             "correct": evaluate(base, sft / "base-heldout-answers.jsonl", limit,
+             "correct": evaluate(base, sft / f"base-{tag}-heldout-answers.jsonl", len(kinds),
                                  [x for s in base_sets for x in ("--set", s)])}]
     for name in order:
         run = sft / name
         rows.append({"variant": name, "summary": json.loads((run / "summary.json").read_text()),
-                     "correct": evaluate(run, run / "heldout-answers.jsonl", limit)})
+                     "correct": evaluate(run, run / "heldout-answers.jsonl", len(kinds))})
     full = next((r for r in rows if r["summary"] and r["summary"]["trainable_params"] == r["summary"]["params"]), None)
     task_names = sorted(set(kinds))
     print()
@@ -112,10 +113,11 @@ def method(peft: dict) -> str:
     return " ".join(words)
 
 
-def evaluate(run: Path, answers: Path, limit: list[str], sets: list[str] = ()) -> np.ndarray:
-    """Whether each held-out answer of ``run`` is right (``lmlab eval``, once: the answers are kept)."""
-    if not answers.is_file():
-        lmlab("eval", str(run), "--data", str(HELD_OUT), "--out", str(answers), *limit, *sets)
+def evaluate(run: Path, answers: Path, count: int, sets: list[str] = ()) -> np.ndarray:
+    """Whether each of the first ``count`` held-out answers of ``run`` is right (``lmlab eval``; the
+    answers are kept and reused while they cover the same records)."""
+    if not answers.is_file() or len(answers.read_text().splitlines()) != count:
+        lmlab("eval", str(run), "--data", str(HELD_OUT), "--out", str(answers), "--limit", str(count), *sets)
     return np.array([json.loads(line)["correct"] for line in answers.read_text().splitlines()], dtype=float)
 
 
