@@ -3,6 +3,7 @@ results independent of the number of workers, byte-identical shards after an int
 stage, and after kill -9), loss masks for records, and bad input reported on one line with nothing
 left in the cache that a later run could take for complete."""
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -344,3 +345,22 @@ def test_a_run_records_what_each_filter_kept_and_dropped(tmp_path, tiny_manifest
     assert filters["pii-scrub"]["counts"] == {"email": 1} and filters["pii-scrub"]["documents_changed"] == 1
     assert filters["exact-dedup"]["documents_dropped"] == 5
     assert sum(summary["data"]["documents"].values()) == filters["minhash-dedup"]["documents_kept"]
+
+
+def test_the_cache_key_changes_with_the_tokenizer_plugins_version(tmp_path, corpus_slice, monkeypatch):
+    """A new release of a plugin may tokenize differently: its tokens are not the old release's."""
+    from lmlab import discovery
+
+    variant = variant_of(write_manifest(tmp_path, f'use = "text-file"\npath = "{corpus_slice}"'))
+    before = pipeline.cache_key(variant)
+    assert pipeline.cache_key(variant) == before
+    find = discovery.find
+
+    def newer(slot, name, **kwargs):
+        info = find(slot, name, **kwargs)
+        if slot == "tokenizer":
+            info = dataclasses.replace(info, version=info.version + ".post1")
+        return info
+
+    monkeypatch.setattr(discovery, "find", newer)
+    assert pipeline.cache_key(variant) != before

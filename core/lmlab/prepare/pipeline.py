@@ -18,7 +18,7 @@ Three stages, each resumable, turn the data source's documents into the token sh
 
 Then ``index.json`` is written, the spool deleted, and the folder renamed into place. The cache key
 hashes the data source (its fingerprint: file contents), the tokenizer and the filters with all their
-options, so every run that shares them reuses one copy; a build in progress lives in
+options and plugin versions, so every run that shares them reuses one copy; a build in progress lives in
 ``partial/<key>/`` under an exclusive lock, so concurrent runs (sweep jobs, DDP ranks) wait for one
 builder instead of racing. An interrupted build resumes: spooled parts and shards whose checksums
 verify are kept, the source is read again from the start but the documents already consumed are
@@ -39,7 +39,9 @@ import json
 import os
 from pathlib import Path
 
-from lmlab import pretrained
+import lmlab
+from lmlab import discovery, pretrained
+from lmlab.errors import UserError
 from lmlab.prepare.report import Progress
 from lmlab.prepare.stages import FORMAT, Build, Listener, filter_specs
 from lmlab.prepare.work import Workers
@@ -60,8 +62,9 @@ def default_workers() -> int:
 
 def cache_key(variant, source=None) -> str:
     """The cache entry's name: a hash of the data (``source``'s fingerprint, a fresh instance of the
-    variant's data source by default), the filters and the tokenizer, with all their options (and,
-    for a run with [init], the digest of the init's fitted tokenizer)."""
+    variant's data source by default), the filters and the tokenizer, with all their options and the
+    versions of lmlab and of their plugin distributions (a new release may tokenize or filter
+    differently), and, for a run with [init], the digest of the init's fitted tokenizer."""
     data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
     data = source or variant.instantiate("data")
     filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]
@@ -70,12 +73,28 @@ def cache_key(variant, source=None) -> str:
         "data": [data_cls.name, data.fingerprint(), variant.manifest["data"]],
         "tokenizer": [tok_cls.name, variant.manifest["tokenizer"]],
         "filters": filters,
+        "code": [lmlab.__version__, _plugin_versions(variant, ("data", "tokenizer", "filter"))],
     }
     fitted = pretrained.tokenizer_digest(variant)
     if fitted is not None:  # [init]: the tokenizer is the init's fitted one, not fitted here
         parts["fitted_tokenizer"] = fitted
     blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _plugin_versions(variant, slots: tuple[str, ...]) -> dict:
+    """slot.name → "distribution version" of the plugins that make the tokens; a class handed to the
+    variant directly, with no entry point (tests, notebooks), by its import path."""
+    out = {}
+    for slot in slots:
+        classes = variant.plugins.get(slot, [])
+        for cls in classes if isinstance(classes, list) else [classes]:
+            try:
+                info = discovery.find(slot, cls.name, key=f"{slot}.use")
+                out[f"{slot}.{cls.name}"] = f"{info.distribution} {info.version}"
+            except UserError:
+                out[f"{slot}.{cls.name}"] = f"{cls.__module__}.{cls.__qualname__}"
+    return out
 
 
 def prepare(variant, root: Path | None = None, workers: int | None = None, shard_mb: float | None = None,
