@@ -116,9 +116,11 @@ def method(peft: dict) -> str:
 def evaluate(run: Path, answers: Path, count: int, sets: list[str] = ()) -> np.ndarray:
     """Whether each of the first ``count`` held-out answers of ``run`` is right (``lmlab eval``; the
     answers are kept and reused while they cover the same records)."""
-    if not answers.is_file() or len(answers.read_text().splitlines()) != count:
+    lines = answers.read_text().splitlines() if answers.is_file() else []
+    if len(lines) != count:
         lmlab("eval", str(run), "--data", str(HELD_OUT), "--out", str(answers), "--limit", str(count), *sets)
-    return np.array([json.loads(line)["correct"] for line in answers.read_text().splitlines()], dtype=float)
+        lines = answers.read_text().splitlines()
+    return np.array([json.loads(line)["correct"] for line in lines], dtype=float)
 
 
 def ratio(correct: np.ndarray, full: dict | None) -> str:

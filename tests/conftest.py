@@ -22,9 +22,12 @@ def corpus_slice(tmp_path) -> Path:
     return path
 
 
-TINY = """
-name = "tiny"
-seed = 3
+def tiny_toml(data: str, *, name: str = "tiny", seed: int = 3, steps: int = 6, batch_size: int = 4,
+              warmup_steps: int = 2, eval_every: int = 3, checkpoint_every: int = 3, sample_tokens: int = 8) -> str:
+    """A tiny, fast manifest (2 layers of width 32, block 16) training on ``data``; append tables to it."""
+    return f"""
+name = "{name}"
+seed = {seed}
 
 [data]
 use = "text-file"
@@ -38,13 +41,13 @@ block_size = 16
 
 [train]
 max_steps = {steps}
-batch_size = 4
-warmup_steps = 2
+batch_size = {batch_size}
+warmup_steps = {warmup_steps}
 eval_every = {eval_every}
 eval_steps = 2
 checkpoint_every = {checkpoint_every}
 log_every = 2
-sample_tokens = 8
+sample_tokens = {sample_tokens}
 
 [tracker]
 use = "none"
@@ -58,8 +61,8 @@ def tiny_manifest(tmp_path, corpus_slice):
     def write(extra: str = "", steps: int = 6, eval_every: int = 3, checkpoint_every: int = 3,
               name: str = "tiny.toml") -> Path:
         path = tmp_path / name
-        path.write_text(TINY.format(data=corpus_slice.name, steps=steps, eval_every=eval_every,
-                                    checkpoint_every=checkpoint_every) + extra)
+        path.write_text(tiny_toml(corpus_slice.name, steps=steps, eval_every=eval_every,
+                                  checkpoint_every=checkpoint_every) + extra)
         return path
 
     return write

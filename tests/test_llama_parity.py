@@ -7,20 +7,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lmlab.interop import llama  # noqa: E402
+from support import random_llama  # noqa: E402
 
 
 def tiny_llama(**overrides):
     settings = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                     tie_word_embeddings=False)
-    config = transformers.LlamaConfig(**{**settings, **overrides})
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # HF initialises norms to one; make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    return random_llama(**{**settings, **overrides})
 
 
 ROPE_500K = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}

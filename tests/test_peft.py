@@ -15,26 +15,13 @@ from lmlab import checkpoint, manifest
 from lmlab.api import UserError, hookimpl
 from lmlab.cli.main import main
 from lmlab.train import adapters, build, runner
-from support import ROOT, run_cli
-
-CORPUS = ROOT / "data" / "tinyshakespeare.txt"
+from conftest import CORPUS, tiny_toml
+from support import run_cli
 
 pytest.importorskip("lmlab_peft")
 
-BASE = """
-name = "base"
-seed = 4
-
-[data]
-use = "text-file"
-path = "{data}"
-
-[model]
-n_layers = 2
-d_model = 32
-n_heads = 4
-block_size = 16
-
+BASE = tiny_toml("{data}", name="base", seed=4, steps=40, batch_size=8, warmup_steps=4, eval_every=40,
+                 checkpoint_every=40, sample_tokens=0) + """
 [ffn]
 use = "swiglu"
 hidden = 64
@@ -42,18 +29,6 @@ hidden = 64
 [optimizer]
 use = "adamw"
 lr = 1e-2
-
-[train]
-max_steps = 40
-batch_size = 8
-warmup_steps = 4
-eval_every = 40
-eval_steps = 2
-checkpoint_every = 40
-sample_tokens = 0
-
-[tracker]
-use = "none"
 """
 
 # PEFT adapts a trained model: this one starts from the base above (its shape, tokenizer and weights).

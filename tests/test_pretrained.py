@@ -19,35 +19,10 @@ from lmlab.interop import llama
 from lmlab.train import build, runner
 from lmlab.train import tokens as token_cache
 
-from conftest import CORPUS
+from conftest import CORPUS, tiny_toml
+from support import random_llama
 
-BASE = """
-name = "base"
-seed = 3
-
-[data]
-use = "text-file"
-path = "tiny.txt"
-
-[model]
-n_layers = 2
-d_model = 32
-n_heads = 4
-block_size = 16
-
-[train]
-max_steps = 6
-batch_size = 4
-warmup_steps = 2
-eval_every = 3
-eval_steps = 2
-checkpoint_every = 3
-log_every = 2
-sample_tokens = 0
-
-[tracker]
-use = "none"
-"""
+BASE = tiny_toml("tiny.txt", name="base", sample_tokens=0)
 
 FINE_TUNE = """
 name = "ft"
@@ -245,16 +220,10 @@ def hf_folder(root, text: str, tie: bool = False, shard: bool = False):
     tok.train_from_iterator([text], trainers.BpeTrainer(
         vocab_size=384, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    config = transformers.LlamaConfig(
+    model = random_llama(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=112, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
         bos_token_id=0, eos_token_id=1, tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # HF initialises norms to one; make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
     folder = root / "hf-llama"
     model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": "60KB"} if shard else {}))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)

@@ -13,7 +13,7 @@ from lmlab.train import runner
 from lmlab.train.batches import RandomDocuments, RandomWindows
 from lmlab.train.replay import Replayed
 
-from conftest import CORPUS
+from conftest import CORPUS, tiny_toml
 
 MAIN = np.arange(100_000, 110_000, dtype=np.int64)  # token values tell the corpora apart
 REPLAY = np.arange(0, 50_000, dtype=np.int64)
@@ -70,28 +70,8 @@ def test_no_replay_leaves_the_batches_untouched():
     assert torch.equal(replayed(0.0).batch(3), RandomWindows(MAIN, 16, 8, seed=5).batch(3))
 
 
-BASE = """
-name = "base"
-seed = 3
-[data]
-use = "text-file"
-path = "{data}"
-[model]
-n_layers = 2
-d_model = 32
-n_heads = 4
-block_size = 16
-[train]
-max_steps = 2
-batch_size = 4
-warmup_steps = 1
-eval_every = 2
-eval_steps = 2
-checkpoint_every = 2
-sample_tokens = 0
-[tracker]
-use = "none"
-"""
+BASE = tiny_toml("tiny.txt", name="base", steps=2, warmup_steps=1, eval_every=2, checkpoint_every=2,
+                 sample_tokens=0)
 
 SFT = """
 name = "sft"
@@ -121,7 +101,7 @@ use = "none"
 
 def test_a_fine_tune_replays_its_init_runs_corpus_and_replay_needs_an_lmlab_init(tmp_path, capsys):
     (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:30_000])
-    (tmp_path / "base.toml").write_text(BASE.format(data="tiny.txt"))
+    (tmp_path / "base.toml").write_text(BASE)
     (base,) = manifest.load(tmp_path / "base.toml")
     runner.run_variant(base, tmp_path / "runs" / "base")
     records = tmp_path / "tasks.jsonl"

@@ -116,11 +116,10 @@ def source_tables(source: Source) -> dict[str, dict]:
     from lmlab.interop import llama
 
     try:
-        tables = llama.manifest_tables(llama.read_config(source.folder))
+        tables = llama.folder_tables(source.folder)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise UserError(f"{source.folder}: cannot be read as a Llama checkpoint: {type(exc).__name__}: {exc}",
                         key="init.from") from None
-    tables["tokenizer"] = {"use": "hf", "path": str(source.folder)}
     return tables
 
 

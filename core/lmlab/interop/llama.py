@@ -51,6 +51,12 @@ def manifest_tables(config) -> dict:
     }
 
 
+def folder_tables(folder) -> dict:
+    """The manifest tables of a Hugging Face Llama folder: its config's, and its ``tokenizer.json``
+    read by the ``hf`` tokenizer plugin."""
+    return {**manifest_tables(read_config(folder)), "tokenizer": {"use": "hf", "path": str(folder)}}
+
+
 def build(tables: dict) -> LanguageModel:
     """An (untrained) lmlab model from the tables of `manifest_tables`."""
     m = tables["model"]

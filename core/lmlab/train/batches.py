@@ -33,7 +33,27 @@ def _labels(labels, positions: np.ndarray) -> torch.Tensor | None:
     return torch.from_numpy(np.ascontiguousarray(labels(positions), dtype=np.uint8))
 
 
-class RandomWindows(IterableDataset):
+class EndlessBatches(IterableDataset):
+    """Batches ``batch(start)``, ``batch(start + 1)``, …: each a pure function of (seed, index), so a
+    resumed run starts at its step and every data-parallel replica takes its rows of the global batch."""
+
+    start: int = 0
+
+    def batch(self, index: int):
+        raise NotImplementedError
+
+    def __iter__(self):
+        index = self.start
+        while True:
+            yield self.batch(index)
+            index += 1
+
+    def _windows(self, tokens: torch.Tensor, index: int, **fields) -> Windows:
+        return Windows(tokens, seed=stream_seed(self.seed, TRAIN_DRAWS, index), first_row=self.replica * self.batch_size,
+                       total_rows=self.batch_size * self.replicas, **fields)
+
+
+class RandomWindows(EndlessBatches):
     """Endless batches (B, T+1) of windows starting at uniformly random offsets (nanoGPT's get_batch).
 
     ``rich``: yield :class:`~lmlab.api.Windows` with ``labels`` (a function of positions, from
@@ -57,14 +77,7 @@ class RandomWindows(IterableDataset):
         tokens = torch.from_numpy(self.tokens[positions].astype(np.int64))
         if not self.rich:
             return tokens
-        return Windows(tokens, labels=_labels(self.labels, positions), seed=stream_seed(self.seed, TRAIN_DRAWS, index),
-                       first_row=self.replica * self.batch_size, total_rows=self.batch_size * self.replicas)
-
-    def __iter__(self):
-        index = self.start
-        while True:
-            yield self.batch(index)
-            index += 1
+        return self._windows(tokens, index, labels=_labels(self.labels, positions))
 
 
 def _fixed_starts(n_tokens: int, block_size: int, limit: int | None) -> np.ndarray:
@@ -145,7 +158,7 @@ def padded_rows(tokens, starts: np.ndarray, ends: np.ndarray, length: int, label
     return torch.from_numpy(ids), marks, torch.from_numpy(padding)
 
 
-class RandomDocuments(IterableDataset):
+class RandomDocuments(EndlessBatches):
     """Endless batches of :class:`~lmlab.api.Windows`, one training document per row (padded).
 
     Documents come in a fresh random order each epoch (a permutation seeded by (seed, epoch)), so
@@ -187,14 +200,7 @@ class RandomDocuments(IterableDataset):
         docs = self.documents(index)
         tokens, labels, padding = padded_rows(self.tokens, self.starts[docs], self.ends[docs], self.length,
                                               self.labels, self.pad_id)
-        return Windows(tokens, labels=labels, padding=padding, seed=stream_seed(self.seed, TRAIN_DRAWS, index),
-                       first_row=self.replica * self.batch_size, total_rows=self.batch_size * self.replicas)
-
-    def __iter__(self):
-        index = self.start
-        while True:
-            yield self.batch(index)
-            index += 1
+        return self._windows(tokens, index, labels=labels, padding=padding)
 
 
 class FixedDocuments(Dataset):

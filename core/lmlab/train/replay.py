@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from lmlab.api import UserError, Windows
-from lmlab.train.batches import REPLAY_DRAWS
+from lmlab.train.batches import REPLAY_DRAWS, EndlessBatches
 
 
 def replay_corpus(variant, objective):
@@ -47,7 +46,7 @@ def replay_corpus(variant, objective):
     return token_cache.prepare(init_variant).train
 
 
-class Replayed(IterableDataset):
+class Replayed(EndlessBatches):
     """The batches of ``inner`` (which has ``batch(index)``, plain tensors or Windows) with each row,
     with probability ``fraction``, replaced by a random window of ``corpus``."""
 
@@ -87,9 +86,3 @@ class Replayed(IterableDataset):
         if out.padding is not None:
             out.padding[index_t] = False
         return out
-
-    def __iter__(self):
-        index = self.start
-        while True:
-            yield self.batch(index)
-            index += 1
