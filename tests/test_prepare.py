@@ -364,3 +364,24 @@ def test_the_cache_key_changes_with_the_tokenizer_plugins_version(tmp_path, corp
 
     monkeypatch.setattr(discovery, "find", newer)
     assert pipeline.cache_key(variant) != before
+
+
+def test_the_cache_key_changes_when_the_hf_tokenizer_file_at_the_same_path_does(tmp_path, corpus_slice):
+    """Options alone do not say which tokenizer.json a path held: its contents are in the key."""
+    from tokenizers import Tokenizer as FastTokenizer, models
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+
+    def save(vocab):
+        FastTokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+
+    save({"<unk>": 0, "a": 1})
+    path = tmp_path / "hf.toml"
+    path.write_text(f'name = "hf"\n[data]\nuse = "text-file"\npath = "{corpus_slice}"\n'
+                    f'[tokenizer]\nuse = "hf"\npath = "{folder}"\n[tracker]\nuse = "none"\n')
+    variant = variant_of(path)
+    before = pipeline.cache_key(variant)
+    assert pipeline.cache_key(variant) == before
+    save({"<unk>": 0, "b": 1})
+    assert pipeline.cache_key(variant) != before

@@ -32,6 +32,12 @@ class Tokenizer(Plugin):
         if type(self).fit is not Tokenizer.fit:
             self.fit("\n".join(documents), workdir)
 
+    def fingerprint(self) -> str:
+        """A string that changes whenever what the tokenizer reads besides its options changes (the files
+        of a pretrained tokenizer it is pointed at); part of the token-cache key, so that editing such a
+        file re-tokenises instead of reusing stale tokens (API 1.5). Default: "", the options say it all."""
+        return ""
+
     def encode(self, text: str) -> Sequence[int]:
         raise NotImplementedError
 

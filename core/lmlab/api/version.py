@@ -40,6 +40,9 @@ plugin whose range excludes this version. Bump the minor version when the API ga
      ``FFNModule.peft_roles`` (role → submodule: q/k/v/o, up/down/gate) and ``module_roles`` /
      ``resolve_roles`` (roles → full module names of the model).
      ``DataOptions.replay``: a share of fine-tuning rows drawn from the ``[init]`` run's training corpus.
+
+1.5: ``Tokenizer.fingerprint`` (default ""): the contents of files a tokenizer reads besides its options,
+     hashed into the token-cache key.
 """
 
-API_VERSION = "1.4"
+API_VERSION = "1.5"

@@ -64,7 +64,7 @@ def cache_key(variant, source=None) -> str:
     """The cache entry's name: a hash of the data (``source``'s fingerprint, a fresh instance of the
     variant's data source by default), the filters and the tokenizer, with all their options and the
     versions of lmlab and of their plugin distributions (a new release may tokenize or filter
-    differently), and, for a run with [init], the digest of the init's fitted tokenizer."""
+    differently), the tokenizer's fingerprint (the files it reads), and, for a run with [init], the digest of the init's fitted tokenizer."""
     data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
     data = source or variant.instantiate("data")
     filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]
@@ -75,6 +75,9 @@ def cache_key(variant, source=None) -> str:
         "filters": filters,
         "code": [lmlab.__version__, _plugin_versions(variant, ("data", "tokenizer", "filter"))],
     }
+    read = variant.instantiate("tokenizer").fingerprint()
+    if read:  # only then, so that the keys of tokenizers without files stay as they were
+        parts["tokenizer"].append(read)
     fitted = pretrained.tokenizer_digest(variant)
     if fitted is not None:  # [init]: the tokenizer is the init's fitted one, not fitted here
         parts["fitted_tokenizer"] = fitted

@@ -138,3 +138,16 @@ def test_a_missing_tokenizer_file_is_a_user_error_naming_the_option(tmp_path):
 def test_a_tokenizer_json_file_may_be_named_directly(tmp_path):
     folder = byte_level(tmp_path)
     assert fitted(folder / TOKENIZER_FILE).encode(TEXT).tolist() == fitted(folder).encode(TEXT).tolist()
+
+
+def test_the_fingerprint_changes_with_the_tokenizer_and_its_special_token_config(tmp_path):
+    folder = byte_level(tmp_path)
+    before = HFTokenizer(HFTokenizer.Options(path=folder)).fingerprint()
+    assert HFTokenizer(HFTokenizer.Options(path=folder / TOKENIZER_FILE)).fingerprint() == before
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<pad>"}))  # the same vocabulary
+    edited = HFTokenizer(HFTokenizer.Options(path=folder)).fingerprint()
+    assert edited != before
+    (tmp_path / "other").mkdir()
+    retrained = byte_level(tmp_path / "other", with_config=False)
+    (retrained / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<pad>"}))
+    assert HFTokenizer(HFTokenizer.Options(path=retrained)).fingerprint() == edited  # contents, not paths

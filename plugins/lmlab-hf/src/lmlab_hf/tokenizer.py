@@ -22,6 +22,7 @@ to ``lmlab_hf.json``, so a run folder's ``tokenizer/`` reloads without the origi
 There is nothing to learn: fitting reads the tokenizer at ``path``.
 """
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
@@ -33,6 +34,8 @@ from lmlab.api import Field, Options, Tokenizer, UserError
 
 TOKENIZER_FILE = "tokenizer.json"
 STATE_FILE = "lmlab_hf.json"
+# The files besides tokenizer.json that the special token ids come from (see special_ids).
+CONFIG_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
 SPECIAL_NAMES = ("bos", "eos", "unk", "pad", "mask", "sep", "cls")
 
 
@@ -50,6 +53,7 @@ class HFTokenizer(Tokenizer):
     """``hf``: the tokenizer.json of a pretrained model, through the ``tokenizers`` library."""
 
     Options = HFTokenizerOptions
+    api = ">=1.5,<2"  # fingerprint (an older core would reuse tokens of a replaced tokenizer.json); special_id
 
     def __init__(self, options: HFTokenizerOptions | None = None):
         super().__init__(options)
@@ -59,15 +63,28 @@ class HFTokenizer(Tokenizer):
 
     # -- "fitting": reading the pretrained tokenizer ----------------------------------------------
 
+    def fingerprint(self) -> str:
+        """A hash of tokenizer.json and the files its special ids come from: the token cache is keyed on
+        it, so a tokenizer replaced at the same path re-tokenises the corpus."""
+        file = self._source_file()
+        digest = hashlib.sha256()
+        for path in (file, *(file.parent / name for name in CONFIG_FILES)):
+            digest.update(path.name.encode() + b"\0")
+            digest.update(path.read_bytes() if path.is_file() else b"(absent)")
+        return digest.hexdigest()
+
     def fit(self, text: str, workdir: Path) -> None:
         self._read_source()
 
     def fit_documents(self, documents: Iterable[str], workdir: Path) -> None:
         self._read_source()  # nothing to learn: the documents are not even read
 
-    def _read_source(self) -> None:
+    def _source_file(self) -> Path:
         path = Path(self.options.path)
-        file = path / TOKENIZER_FILE if path.is_dir() else path
+        return path / TOKENIZER_FILE if path.is_dir() else path
+
+    def _read_source(self) -> None:
+        file = self._source_file()
         if not file.is_file():
             raise UserError(f"{file}: no such file (a Hugging Face fast tokenizer; "
                             "AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)",
