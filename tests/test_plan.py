@@ -153,7 +153,6 @@ def test_parameters_and_optimizer_states_are_counted_on_the_real_model(plan_mani
 
 @pytest.mark.parametrize("train", ["", 'precision = "bf16-mixed"', 'checkpointing = "ffn"'])
 def test_activations_measured_on_fake_tensors_equal_what_a_real_forward_saves(plan_manifest, train):
-    from lmlab.model import compute_loss
     from lmlab.train import build
 
     path = plan_manifest(train=train)
@@ -162,6 +161,13 @@ def test_activations_measured_on_fake_tensors_equal_what_a_real_forward_saves(pl
     plugins = build.instantiate_all(variant)
     model = build.build_model(variant, build.model_shape(variant, 96), plugins)
     model.set_checkpointing(variant.manifest["train"]["checkpointing"])
+    assert plan.facts.activation_bytes == _saved_bytes(model, plugins["objective"], bf16="bf16" in train)
+
+
+def _saved_bytes(model, objective, bf16: bool = False) -> int:
+    """Bytes autograd saves for backward in a real forward of a (4, 32) batch, parameters left out."""
+    from lmlab.model import compute_loss
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, total = set(), 0
 
@@ -174,10 +180,41 @@ def test_activations_measured_on_fake_tensors_equal_what_a_real_forward_saves(pl
         return t
 
     windows = torch.randint(0, 96, (4, 33))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in train)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        compute_loss(model, plugins["objective"], plugins["objective"].make_batch(windows))
-    assert plan.facts.activation_bytes == total
+        compute_loss(model, objective, objective.make_batch(windows))
+    return total
+
+
+def test_a_lora_adapter_is_planned_as_a_run_applies_it(plan_manifest):
+    """Only the adapter has gradients and optimizer states, and the frozen base saves fewer activations."""
+    pytest.importorskip("lmlab_peft")
+    from lmlab.train import build
+
+    path = plan_manifest(extra='\n[peft]\nuse = "lora"\nr = 4\ntargets = ["q", "v"]\n')
+    plan, full = _plan(path), _plan(path, overrides=["peft.use=none"])
+    (variant,) = manifest.load(path)
+    plugins = build.instantiate_all(variant)
+    model = build.build_model(variant, build.model_shape(variant, 96), plugins)
+    plugins["peft"].apply(model, variant.manifest)
+    model.train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.facts.trainable == trainable == 2 * 2 * (4 * 64 + 64 * 4)  # 2 layers x (q, v) x (A, B)
+    assert plan.facts.params == sum(p.numel() for p in model.parameters())
+    assert plan.facts.optimizer_bytes == 8 * trainable and plan.device.grads == 4 * trainable
+    assert plan.facts.activation_bytes == _saved_bytes(model, plugins["objective"])
+    assert plan.facts.activation_bytes < full.facts.activation_bytes
+
+
+def test_an_adapter_that_cannot_be_built_on_fake_tensors_is_named_and_the_other_variants_planned(
+        plan_manifest, capsys):
+    pytest.importorskip("bitsandbytes")
+    path = plan_manifest(extra='\n[sweep]\n"peft.use" = ["qlora", "lora"]\n')
+    assert main(["plan", path]) == 2
+    out, err = capsys.readouterr()
+    assert "cannot plan: peft.use: cannot be measured on fake tensors" in out
+    assert "# variant: peft.use=lora" in out and "trainable)" in out.split("peft.use=lora")[1]
+    assert "peft.use" in err
 
 
 def test_checkpointing_and_mixed_precision_shrink_activations_not_parameters(plan_manifest):

@@ -3,10 +3,13 @@
 Builds each variant's model on fake tensors (no memory), asks its parallel plugin how it lays the
 state out and prints parameters, gradients, optimizer states, activations and the peak per device,
 and the bytes each device sends per optimizer step; see ``lmlab.plan`` for the method. Imports torch
-and the plugins the manifest names, never lightning, deepspeed, peft or wandb.
+and the plugins the manifest names, never lightning, deepspeed or wandb (peft only when the manifest's
+peft plugin is built on it).
 
 Exit status: 0 when every variant fits ``--device-mem`` (or none was given), 1 when some variant does
-not (so ``lmlab plan m.toml --device-mem 80GB && lmlab run m.toml`` only runs what fits), 2 bad input.
+not (so ``lmlab plan m.toml --device-mem 80GB && lmlab run m.toml`` only runs what fits), 2 bad input
+or a variant that cannot be planned (the others are still printed). A ``[peft]`` adapter is applied
+as in a run: the frozen base has no gradients or optimizer states and saves fewer activations.
 """
 
 import sys
@@ -28,20 +31,27 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     from lmlab import manifest
     from lmlab.plan import parse_size, plan_variant
+    from lmlab.plan.measure import CannotPlan
 
     if args.devices is not None and args.devices < 1:
         raise UserError(f"must be at least 1, got {args.devices}", key="--devices")
     capacity = parse_size(args.device_mem) if args.device_mem is not None else None
     variants = manifest.load(args.manifest, args.overrides)
-    misfits = 0
+    misfits = unplanned = 0
     for i, variant in enumerate(variants):
-        plan = plan_variant(variant, args.devices)
+        try:
+            plan = plan_variant(variant, args.devices)
+        except CannotPlan as exc:  # the other variants are still worth planning
+            print(f"{'' if not i else chr(10)}# variant: {variant.name}\ncannot plan: {exc}")
+            print(f"error: variant {variant.name}: {exc}", file=sys.stderr)
+            unplanned += 1
+            continue
         if i:
             print()
         print(render(plan, args.devices), end="")
         if capacity is not None:
             misfits += not report_fit(plan, capacity, args.device_mem)
-    return 1 if misfits else 0
+    return 2 if unplanned else 1 if misfits else 0
 
 
 def render(plan, requested_devices: int | None = None) -> str:

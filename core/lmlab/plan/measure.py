@@ -2,6 +2,7 @@
 its parameters counted, its optimizer stepped once and one training forward's saved tensors counted;
 see ``lmlab.plan`` for the method."""
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -71,6 +72,51 @@ def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+class CannotPlan(UserError):
+    """A variant whose model cannot be measured on fake tensors; ``lmlab plan`` goes on with the others."""
+
+
+def _apply_peft(peft, model, manifest: dict, fake: bool) -> None:
+    if not fake:
+        peft.apply(model, manifest)
+        return
+    try:
+        with _no_op_conversions():
+            peft.apply(model, manifest)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        # bitsandbytes' 4-bit parameters (qlora) are a tensor subclass that cannot wrap a fake tensor.
+        raise CannotPlan(f"cannot be measured on fake tensors ({str(exc).splitlines()[0]}); plan the same "
+                         "adapter without quantisation (a lora variant) and count the frozen base weights at "
+                         "their stored size", key="peft.use") from None
+
+
+@contextlib.contextmanager
+def _no_op_conversions():
+    """``Module.to`` returns the module itself when every tensor already has the device and dtype asked for.
+
+    A peft plugin moves each adapter layer it inserts to its base layer's device and dtype. On fake
+    tensors ``Module.to`` always swaps the parameters for converted ones, and PyTorch refuses to swap a
+    parameter made under a fake mode (it holds a weak reference); the conversion would change nothing.
+    """
+    import torch
+
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if all((device is None or t.device == device) and (dtype is None or not t.is_floating_point()
+                                                           or t.dtype == dtype) for t in tensors):
+            return module
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
 
 
 class _Saved:
@@ -147,6 +193,11 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
     plugins = {slot: variant.instantiate(slot)
                for slot in ("position", "attention", "ffn", "objective", "optimizer", "parallel")}
     shape = build.model_shape(variant, vocabulary(variant))
+    peft = variant.instantiate("peft") if "peft" in variant.plugins else None
+    if peft is not None:
+        from lmlab.train.adapters import check_parallel
+
+        check_parallel(peft, variant.manifest)
 
     mode = fake_mode()
 
@@ -157,10 +208,11 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
         default = torch.get_default_dtype()
         torch.set_default_dtype(getattr(torch, dtype))
         try:
-            if not fake:
-                return build.build_model(variant, shape, plugins)
-            with mode:
-                return build.build_model(variant, shape, plugins)
+            with contextlib.nullcontext() if not fake else mode:
+                model = build.build_model(variant, shape, plugins)
+                if peft is not None:  # frozen base, trainable adapter: gradients and states are the adapter's
+                    _apply_peft(peft, model, variant.manifest, fake)
+                return model
         finally:
             torch.set_default_dtype(default)
 

@@ -88,6 +88,15 @@ class PeftRun:
         self.plugin.load_extra_state(info.get("state") or {})
 
 
+def check_parallel(plugin: Peft, manifest: dict) -> None:
+    """Refuse a parallel strategy the peft plugin does not support, naming peft.use."""
+    parallel = manifest.get("parallel", {}).get("use")
+    if plugin.parallel is not None and parallel not in plugin.parallel:
+        raise UserError(f"peft plugin {plugin.name!r} works under parallel {', '.join(plugin.parallel)}, not "
+                        f"{parallel!r} (its adapter and checkpoints are not made for a sharded or split model)",
+                        key="peft.use")
+
+
 def prepare(plugin: Peft | None, model: torch.nn.Module, manifest: dict, ckpt_dir: Path,
             resuming: bool) -> PeftRun | None:
     """Apply the variant's peft plugin to the freshly built (and initialised) ``model``; None when the
@@ -95,11 +104,7 @@ def prepare(plugin: Peft | None, model: torch.nn.Module, manifest: dict, ckpt_di
     weights are loaded from ``ckpt_dir/base.safetensors`` before the adapter goes in."""
     if plugin is None:
         return None
-    parallel = manifest.get("parallel", {}).get("use")
-    if plugin.parallel is not None and parallel not in plugin.parallel:
-        raise UserError(f"peft plugin {plugin.name!r} works under parallel {', '.join(plugin.parallel)}, not "
-                        f"{parallel!r} (its adapter and checkpoints are not made for a sharded or split model)",
-                        key="peft.use")
+    check_parallel(plugin, manifest)
     if type(plugin).is_adapter_key is Peft.is_adapter_key:  # declares no adapter (none, hooks only)
         plugin.apply(model, manifest)
         return None
