@@ -42,12 +42,15 @@ batch_size = {batch_size}
 @pytest.fixture
 def plan_manifest(tmp_path, corpus_slice):
     def write(parallel: str = 'use = "single"', train: str = "", n_layers: int = 2, d_model: int = 64,
-              n_heads: int = 4, block_size: int = 32, vocab_size: int = 96, batch_size: int = 4,
+              n_heads: int = 4, block_size: int = 32, vocab_size: int | None = 96, batch_size: int = 4,
               extra: str = "") -> str:
         path = tmp_path / "plan.toml"
-        path.write_text(PLAN_MANIFEST.format(data=corpus_slice, parallel=parallel, train=train, n_layers=n_layers,
-                                             d_model=d_model, n_heads=n_heads, block_size=block_size,
-                                             vocab_size=vocab_size, batch_size=batch_size) + extra)
+        text = PLAN_MANIFEST.format(data=corpus_slice, parallel=parallel, train=train, n_layers=n_layers,
+                                    d_model=d_model, n_heads=n_heads, block_size=block_size,
+                                    vocab_size=vocab_size, batch_size=batch_size) + extra
+        if vocab_size is None:  # the tokenizer's (fitted on the corpus)
+            text = text.replace("vocab_size = None\n", "")
+        path.write_text(text)
         return str(path)
 
     return write
@@ -164,8 +167,9 @@ def test_activations_measured_on_fake_tensors_equal_what_a_real_forward_saves(pl
     assert plan.facts.activation_bytes == _saved_bytes(model, plugins["objective"], bf16="bf16" in train)
 
 
-def _saved_bytes(model, objective, bf16: bool = False) -> int:
+def _saved_bytes(model, objective, bf16: bool = False, vocab: int = 96) -> int:
     """Bytes autograd saves for backward in a real forward of a (4, 32) batch, parameters left out."""
+    from lmlab.api import Windows
     from lmlab.model import compute_loss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -179,11 +183,29 @@ def _saved_bytes(model, objective, bf16: bool = False) -> int:
             total += t.untyped_storage().nbytes()
         return t
 
-    windows = torch.randint(0, 96, (4, 33))
+    windows = torch.randint(0, vocab, (4, 33))
+    batch = (objective.make_batch_from(Windows(windows)) if objective.wants_windows() else objective.make_batch(windows))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        compute_loss(model, objective, objective.make_batch(windows))
+        compute_loss(model, objective, batch)
     return total
+
+
+def test_an_objectives_special_tokens_and_batches_are_planned_as_a_run_makes_them(plan_manifest, cache):
+    """mlm's [MASK] gets an id past the tokenizer's vocabulary, and its masked batch is what is measured."""
+    from lmlab.train import build, tokens
+
+    path = plan_manifest(vocab_size=None, extra='\n[objective]\nuse = "mlm"\n\n[attention]\nuse = "mha"\n')
+    plan = _plan(path)
+    (variant,) = manifest.load(path)
+    plugins = build.instantiate_all(variant)
+    tokenizer = tokens.prepare(variant).tokenizer
+    assert plan.shape.vocab_size == tokenizer.vocab_size + 1
+    shape, vocab = build.vocabulary(variant, plugins["objective"], tokenizer)
+    plugins["objective"].setup(vocab)
+    model = build.build_model(variant, shape, plugins)
+    model.train()
+    assert plan.facts.activation_bytes == _saved_bytes(model, plugins["objective"], vocab=shape.vocab_size)
 
 
 def test_a_lora_adapter_is_planned_as_a_run_applies_it(plan_manifest):

@@ -147,15 +147,20 @@ def _saved_for_backward(model, objective, batch: int, block: int, vocab: int, au
 
     import torch
 
+    from lmlab.api import Windows
     from lmlab.model import compute_loss
 
     model.train()
     model.set_checkpointing(checkpointing)
     windows = torch.randint(0, vocab, (batch, block + 1))
+    # The batch the objective makes in a run (mlm masks spans, sft scores responses); every token is
+    # labelled scored, which changes what is computed on no tensor's size.
+    made = (objective.make_batch_from(Windows(windows, labels=torch.ones_like(windows, dtype=torch.uint8)))
+            if objective.wants_windows() else objective.make_batch(windows))
     counter = _Saved(model)
     cast = (torch.autocast("cpu", dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext())
     with counter.hooks, cast:
-        compute_loss(model, objective, objective.make_batch(windows))
+        compute_loss(model, objective, made)
     return counter
 
 
@@ -192,7 +197,8 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
     precision = train["precision"]
     plugins = {slot: variant.instantiate(slot)
                for slot in ("position", "attention", "ffn", "objective", "optimizer", "parallel")}
-    shape = build.model_shape(variant, vocabulary(variant))
+    shape, vocab = vocabulary(variant, plugins["objective"])
+    plugins["objective"].setup(vocab)
     peft = variant.instantiate("peft") if "peft" in variant.plugins else None
     if peft is not None:
         from lmlab.train.adapters import check_parallel
@@ -226,14 +232,22 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
                        variant.plugins["parallel"].name, train, variant.plugins["optimizer"].name)
 
 
-def vocabulary(variant) -> int:
-    """The model's vocabulary: ``model.vocab_size``, or the tokenizer's (fitted on the data and cached,
-    as ``lmlab run`` would, when it cannot say without fitting)."""
-    if variant.manifest["model"].get("vocab_size"):
-        return variant.manifest["model"]["vocab_size"]
+def vocabulary(variant, objective) -> tuple:
+    """(ModelShape, Vocabulary) as ``lmlab run`` makes them: the tokenizer's vocabulary (fitted on the
+    data and cached, as a run would, when it cannot say without fitting) with room for the objective's
+    special tokens (mlm's [MASK]), or ``model.vocab_size`` when it is set and no special token needs
+    the tokenizer's ids."""
+    from lmlab.api import Vocabulary
+    from lmlab.train import build
+
+    size = variant.manifest["model"].get("vocab_size")
+    if size and not getattr(objective, "special_tokens", ()):
+        return build.model_shape(variant, size), Vocabulary(size=size, tokenizer_size=size)
     try:
-        return variant.instantiate("tokenizer").vocab_size  # tokenizers with a fixed vocabulary (byte)
+        tokenizer = variant.instantiate("tokenizer")
+        tokenizer.vocab_size  # noqa: B018 — tokenizers with a fixed vocabulary (byte) know it unfitted
     except Exception:  # noqa: BLE001 — an unfitted tokenizer may fail in any way; fitting settles it
         from lmlab.train import tokens
 
-        return tokens.prepare(variant).tokenizer.vocab_size
+        tokenizer = tokens.prepare(variant).tokenizer
+    return build.vocabulary(variant, objective, tokenizer)
