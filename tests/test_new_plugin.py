@@ -156,6 +156,9 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
         assert not [e.message for e in validator.iter_errors(example)], dist.name
     assert not [e.message for e in validator.iter_errors(manifest)]
 
+    # A peft plugin names the layouts it works under (the generated one: single and ddp), which a
+    # layout generated beside it cannot be among: the parallel plugin trains its own example.
+    del manifest["parallel"]
     path = tmp_path / "all.toml"
     path.write_text(tomli_w.dumps(manifest))
     run = run_cli("run", str(path), "--out", str(tmp_path / "runs"), *SMALL, env={"PYTHONPATH": str(site)})
@@ -164,8 +167,15 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "completed"
     for slot in slots:
-        used = summary["plugins"][slot]
-        assert (used[0] if slot in MANY_SLOTS else used)["distribution"] == f"lmlab-my-{slot}"
+        if slot != "parallel":
+            used = summary["plugins"][slot]
+            assert (used[0] if slot in MANY_SLOTS else used)["distribution"] == f"lmlab-my-{slot}"
+    assert 0 < summary["trainable_params"] < summary["params"] and summary["adapter_bytes"] > 0  # my-peft
+    example = tmp_path / "gen" / "lmlab-my-parallel" / "example.toml"
+    run = run_cli("run", str(example), "--out", str(tmp_path / "parallel"), *SMALL, env={"PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    used = json.loads((tmp_path / "parallel" / "default" / "summary.json").read_text())["plugins"]["parallel"]
+    assert used["distribution"] == "lmlab-my-parallel"
     assert "my-monitor/loss_ema" in (folder / "metrics.jsonl").read_text()  # a hook of a many-valued slot
     assert (folder / "tracker.jsonl").is_file()  # the generated tracker
     assert not (ROOT / "plugins" / "lmlab-my-ffn").exists()  # nothing was added to the repository

@@ -9,8 +9,8 @@ ends in ``.tmpl``, so that no tool takes a template for Python source of the cor
     templates/slots/generic/  the same for a slot without its own: a plugin that implements a hook
 
 Every slot of ``lmlab.api.SLOT_BASES`` has a template: attention, position and ffn (the slots of the
-conformance kit) and every slot with a base class of its own have dedicated ones; the rest (filter,
-peft, monitor, compress, whose plugins act through lifecycle hooks) use the generic one.
+conformance kit), peft and every other slot with a base class of its own have dedicated ones; the
+rest (filter, monitor, compress, whose plugins act through lifecycle hooks) use the generic one.
 A generated plugin imports from the core only ``lmlab.api``; its tests also use ``lmlab.testing``.
 """
 
@@ -37,7 +37,7 @@ CLASS_SUFFIX = {"data": "Data", "ffn": "FeedForward", "decoding": "Decoder", "pe
 #: it up to the next major version (``api = ">=1.1,<2"``); raise it when a template starts to use
 #: something newer, and rewrite the templates when the major version changes (the tests that install
 #: and train generated plugins fail until then, because lmlab refuses plugins outside their range).
-TEMPLATES_API = (1, 1)
+TEMPLATES_API = (1, 4)  # the peft template: Peft, resolve_roles
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,14 @@ the plugin on several CPU processes, and requires the same loss at every step an
 
     def test_my_strategy_matches_one_device(tmp_path):
         check_parallel_matches_single('use = "my-strategy"\ndevices = 2\naccelerator = "cpu"', tmp_path)
+
+Peft plugins: :func:`check_peft` applies the plugin to tiny models of installed attention and ffn
+plugins (:func:`tiny_model`) and requires that the adapted model starts as the base, that only the
+adapter trains, that the adapter round-trips and, for a plugin that merges, that merging is exact
+(:mod:`lmlab.testing.peft`)::
+
+    def test_my_adapter_conforms():
+        check_peft(MyAdapter, {"r": 4})
 """
 
 from collections.abc import Iterable
@@ -64,6 +72,7 @@ from lmlab.testing import attention, ffn, position
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
 from lmlab.testing.generic import verify_class
 from lmlab.testing.parallel import check_parallel_matches_single
+from lmlab.testing.peft import check_peft, tiny_model
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition, reference_model
 
 #: slot → (the Subject class that builds its modules, name → check function)
@@ -139,5 +148,5 @@ __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
     "check_attention", "check_ffn", "check_names", "check_parallel_matches_single", "check_plugin",
     "check_plugin_class", "check_position",
-    "iter_checks", "reference_model",
+    "check_peft", "iter_checks", "reference_model", "tiny_model",
 ]
