@@ -8,6 +8,10 @@ noise hits both alike, and the first window of each is left out (warm-up). Print
 step of each, tokens/s, and the ratio mamba / mha (target ≥ 0.5 on a 2-core CPU).
 
     python bench/mamba_speed.py [--windows 10] [--every 10] [--threads 1] [--set attention.chunk_size=8 ...]
+                                [--both model.block_size=256 --both train.batch_size=3 ...]
+
+``--both`` changes every model alike: a longer context at the same tokens per step shows how the
+ratio moves with sequence length (attention's cost per token grows with it, the scan's does not).
 """
 
 import argparse
@@ -29,10 +33,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="extra override for the mamba model, e.g. attention.chunk_size=4")
+    parser.add_argument("--both", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for every model, e.g. model.block_size=256")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    steppers = {name: ModelStepper(overrides + (args.overrides if name != "mha" else []))
+    steppers = {name: ModelStepper(args.both + overrides + (args.overrides if name != "mha" else []))
                 for name, overrides in VARIANTS.items()}
     median = interleaved_medians(steppers, args.windows, args.every, warmup=args.every)
     tokens = steppers["mha"].B * steppers["mha"].T
