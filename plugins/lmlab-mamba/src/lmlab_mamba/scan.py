@@ -38,12 +38,16 @@ chunk gives each thread the same batch rows and each core keeps working on data 
 Time-major buffers (L, Bt, N, D) split by steps instead, differently for the full-chunk ops and the
 half-chunk rounds, and the data moved between the cores' caches at every op: with two threads the scan
 ran slower than with one.
+
+Memory: every buffer that does not leave the scan comes from a pool of flat buffers reused from one
+call to the next (:class:`_BufferPool`), the chunk-major copies of the inputs and the chunk starts kept
+for the backward pass included; fresh pages cost the CPU more than the scan's arithmetic on them.
 """
 
 import math
+import weakref
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -146,19 +150,26 @@ def _buffers(like: torch.Tensor, *shapes: tuple[int, ...]) -> tuple[torch.Tensor
     return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
-def _chunked(t: torch.Tensor, L: int) -> torch.Tensor:
-    """(Bt, T, k) → (n, Bt, L, k), chunk-major and contiguous, padded with zeros to whole chunks."""
-    Bt, T, k = t.shape
-    n = -(-T // L)
-    if n * L > T:
-        t = F.pad(t, (0, 0, 0, n * L - T))
-    return t.view(Bt, n, L, k).transpose(0, 1).contiguous()
+def _chunk_into(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Copy (Bt, T, k) into ``out`` (n, Bt, L, k), chunk-major, zeros past T; returns ``out``."""
+    n, Bt, L, k = out.shape
+    T = t.shape[1]
+    full = T // L
+    if full:
+        out[:full].copy_(t[:, :full * L].view(Bt, full, L, k).transpose(0, 1))
+    if full < n:  # the last chunk, cut short
+        out[full].zero_()
+        out[full, :, :T - full * L].copy_(t[:, full * L:])
+    return out
 
 
 def _unchunked(t: torch.Tensor, T: int) -> torch.Tensor:
-    """(n, Bt, L, k) chunk-major → (Bt, T, k), the padding dropped."""
+    """(n, Bt, L, k) chunk-major → a new (Bt, T, k), the padding dropped (never a view of ``t``, which
+    may be a pooled buffer)."""
     n, Bt, L, k = t.shape
-    return t.transpose(0, 1).reshape(Bt, n * L, k)[:, :T]
+    out = t.new_empty(Bt, n * L, k)
+    out.view(Bt, n, L, k).copy_(t.transpose(0, 1))
+    return out[:, :T]
 
 
 class _ChunkedScan(torch.autograd.Function):
@@ -167,7 +178,9 @@ class _ChunkedScan(torch.autograd.Function):
     The (Bt, T, ·) inputs are copied once into chunk-major (n, Bt, L, ·) tensors, padded with zeros to
     whole chunks (Δ = 0 there: a decay of 1 and no input, so a padded step passes the state on
     unchanged), so that every chunk is a contiguous block of the same shape, split into per-chunk views
-    once: the loop over chunks does no slicing or copying of inputs and outputs.
+    once: the loop over chunks does no slicing or copying of inputs and outputs. Every buffer that does
+    not leave the function comes from the pool, the chunk starts kept for the backward pass included
+    (given back when the graph that holds them goes).
     """
 
     @staticmethod
@@ -178,16 +191,23 @@ class _ChunkedScan(torch.autograd.Function):
         Bt, T, D = x.shape
         N = At2.shape[0]
         L = max(1, min(chunk_size, T))
-        dt_c = _chunked(dt, L)                                               # (n, Bt, L, D)
-        n = dt_c.shape[0]
-        v_c, B_c, C_c = dt_c * _chunked(x, L), _chunked(B, L), _chunked(C, L)
-        y_c = x.new_empty(n, Bt * L, 1, D)
-        flat, (hs, a) = _buffers(x, (Bt, L, N, D), (Bt, L, N, D))
+        n = -(-T // L)
+        flat, (hs, a, dt_c, v_c, B_c, C_c, y_c) = _buffers(
+            x, (Bt, L, N, D), (Bt, L, N, D), (n, Bt, L, D), (n, Bt, L, D), (n, Bt, L, N), (n, Bt, L, N),
+            (n, Bt * L, 1, D))
+        _chunk_into(dt_c, dt)
+        _chunk_into(v_c, x).mul_(dt_c)                                       # Δ_t x_t
+        _chunk_into(B_c, B)
+        _chunk_into(C_c, C)
         prefix, hs_r, hs_last = _prefix_rounds(hs, a), hs.view(-1, N, D), hs[:, -1]
         start = (hs[:, 0], a[:, 0])
         # The state each chunk starts from and the last one: all of them when the backward pass will
         # recompute the chunks from them, else the two in use.
-        starts = x.new_empty(n + 1 if training else 2, Bt, N, D)
+        count = n + 1 if training else 2
+        if torch.compiler.is_compiling():  # dynamo cannot keep a view of a pooled buffer for backward
+            kept, starts = None, x.new_empty(count, Bt, N, D)
+        else:
+            kept, (starts,) = _buffers(x, (count, Bt, N, D))
         starts[0] = h0.transpose(1, 2)
         chunks = zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
                      C_c.view(n, -1, 1, N).unbind(), y_c.unbind())
@@ -197,10 +217,15 @@ class _ChunkedScan(torch.autograd.Function):
             _states(hs, start, prefix, slots[k % len(slots)], v_k, B_k)
             torch.bmm(C_k, hs_r, out=y_k)                                    # y_t = C_t · h_t
             slots[(k + 1) % len(slots)].copy_(hs_last)
+        y, h_last = _unchunked(y_c.view(n, Bt, L, D), T), starts[n % len(starts)].transpose(1, 2).clone()
         _POOL.give(flat)
         if training:
             ctx.L, ctx.starts = L, starts
-        return _unchunked(y_c.view(n, Bt, L, D), T), starts[n % len(starts)].transpose(1, 2).clone()
+            if kept is not None:  # back to the pool with the graph (a second backward pass reads them too)
+                weakref.finalize(ctx, _POOL.give, kept)
+        elif kept is not None:
+            _POOL.give(kept)
+        return y, h_last
 
     @staticmethod
     @once_differentiable
@@ -216,19 +241,23 @@ class _ChunkedScan(torch.autograd.Function):
         Bt, T, D = x.shape
         N, L, starts = At.shape[0], ctx.L, ctx.starts
         n = starts.shape[0] - 1
-        x_c, dt_c, B_c, C_c = (_chunked(t, L) for t in (x, dt, B, C))       # (n, Bt, L, ·)
-        v_c = dt_c * x_c
-        gy_c = x_c.new_zeros(x_c.shape) if gy is None else _chunked(gy, L)
+        # Inputs and gradients chunk-major (n, Bt, L, ·); states, their decays (which the prefix
+        # overwrites), gradients, decays for the suffix (one step more: the suffix reads a_{t+1} at step t;
+        # zeroed so that the one past the chunk's end holds a number) and dL/dA per (row, step), summed
+        # over chunks.
+        flat, (x_c, dt_c, v_c, gy_c, gv_c, gdt_c, B_c, C_c, gB_c, gC_c, hs, a_fwd, gh, a, gA_steps) = _buffers(
+            x, *[(n, Bt, L, D)] * 6, *[(n, Bt, L, N)] * 4, *[(Bt, L, N, D)] * 3, (Bt, L + 1, N, D), (Bt, L, N, D))
+        for chunked, t in ((x_c, x), (dt_c, dt), (B_c, B), (C_c, C)):
+            _chunk_into(chunked, t)
+        torch.mul(dt_c, x_c, out=v_c)
+        if gy is None:
+            gy_c.zero_()
+        else:
+            _chunk_into(gy_c, gy)
         # G: dL/dh at the end of the chunk being processed, walking backwards from the last one.
         G = starts.new_zeros(Bt, N, D)
         if gh_last is not None:
             G.copy_(gh_last.transpose(1, 2))
-        gv_c, gdt_c = torch.empty_like(x_c), torch.empty_like(x_c)
-        gB_c, gC_c = torch.empty_like(B_c), torch.empty_like(C_c)
-        # States, their decays (which the prefix overwrites), gradients, decays for the suffix (one step
-        # more: the suffix reads a_{t+1} at step t; zeroed so that the one past the chunk's end holds a
-        # number) and dL/dA per (row, step), summed over chunks.
-        flat, (hs, a_fwd, gh, a, gA_steps) = _buffers(x, *[(Bt, L, N, D)] * 3, (Bt, L + 1, N, D), (Bt, L, N, D))
         a.zero_()
         gA_steps.zero_()
         prefix, suffix = _prefix_rounds(hs, a_fwd), _suffix_rounds(gh, a[:, 1:])
@@ -259,11 +288,12 @@ class _ChunkedScan(torch.autograd.Function):
             torch.sum(torch.mul(ga, At, out=gh), 2, out=gdt_k)              # Σ_n dL/da ⊙ A
             gA_steps.addcmul_(ga, dt_k)
         gAt = gA_steps.sum((0, 1))                                           # (N, D)
-        _POOL.give(flat)
         gdt_c.addcmul_(gv_c, x_c)                                            # Δ also scales the input
         gx_c = gv_c.mul_(dt_c)
-        return (*(_unchunked(t, T) for t in (gx_c, gdt_c)), gAt.t(), *(_unchunked(t, T) for t in (gB_c, gC_c)),
-                G.transpose(1, 2), None, None)
+        grads = (*(_unchunked(t, T) for t in (gx_c, gdt_c)), gAt.t(), *(_unchunked(t, T) for t in (gB_c, gC_c)),
+                 G.transpose(1, 2), None, None)
+        _POOL.give(flat)
+        return grads
 
 
 def _states(hs, start, prefix, h, v, B) -> None:
