@@ -153,8 +153,8 @@ def _saved_for_backward(model, objective, batch: int, block: int, vocab: int, au
     model.train()
     model.set_checkpointing(checkpointing)
     windows = torch.randint(0, vocab, (batch, block + 1))
-    # The batch the objective makes in a run (mlm masks spans, sft scores responses); every token is
-    # labelled scored, which changes what is computed on no tensor's size.
+    # The batch the objective makes in a run (mlm masks spans, sft scores responses). Every token is
+    # labelled scored here: which tokens are scored changes no tensor's size.
     made = (objective.make_batch_from(Windows(windows, labels=torch.ones_like(windows, dtype=torch.uint8)))
             if objective.wants_windows() else objective.make_batch(windows))
     counter = _Saved(model)
