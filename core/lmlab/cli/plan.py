@@ -39,15 +39,15 @@ def main(args) -> int:
     variants = manifest.load(args.manifest, args.overrides)
     misfits = unplanned = 0
     for i, variant in enumerate(variants):
+        if i:
+            print()
         try:
             plan = plan_variant(variant, args.devices)
         except CannotPlan as exc:  # the other variants are still worth planning
-            print(f"{'' if not i else chr(10)}# variant: {variant.name}\ncannot plan: {exc}")
+            print(f"# variant: {variant.name}\ncannot plan: {exc}")
             print(f"error: variant {variant.name}: {exc}", file=sys.stderr)
             unplanned += 1
             continue
-        if i:
-            print()
         print(render(plan, args.devices), end="")
         if capacity is not None:
             misfits += not report_fit(plan, capacity, args.device_mem)

@@ -78,18 +78,15 @@ class CannotPlan(UserError):
     """A variant whose model cannot be measured on fake tensors; ``lmlab plan`` goes on with the others."""
 
 
-def _apply_peft(peft, model, manifest: dict, fake: bool) -> None:
-    if not fake:
-        peft.apply(model, manifest)
-        return
+def _apply_peft_to_fake(peft, model, manifest: dict) -> None:
     try:
         with _no_op_conversions():
             peft.apply(model, manifest)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
-        # bitsandbytes' 4-bit parameters (qlora) are a tensor subclass that cannot wrap a fake tensor.
+        # A parameter that is a tensor subclass of its own (a 4-bit quantised weight) cannot wrap a fake tensor.
         raise CannotPlan(f"cannot be measured on fake tensors ({str(exc).splitlines()[0]}); plan the same "
-                         "adapter without quantisation (a lora variant) and count the frozen base weights at "
-                         "their stored size", key="peft.use") from None
+                         "adapter without quantisation and count the frozen base weights at their stored size",
+                         key="peft.use") from None
 
 
 @contextlib.contextmanager
@@ -216,8 +213,11 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
         try:
             with contextlib.nullcontext() if not fake else mode:
                 model = build.build_model(variant, shape, plugins)
-                if peft is not None:  # frozen base, trainable adapter: gradients and states are the adapter's
-                    _apply_peft(peft, model, variant.manifest, fake)
+                # A frozen base and a trainable adapter: gradients and optimizer states are the adapter's.
+                if peft is not None and fake:
+                    _apply_peft_to_fake(peft, model, variant.manifest)
+                elif peft is not None:
+                    peft.apply(model, variant.manifest)
                 return model
         finally:
             torch.set_default_dtype(default)

@@ -64,7 +64,8 @@ def cache_key(variant, source=None) -> str:
     """The cache entry's name: a hash of the data (``source``'s fingerprint, a fresh instance of the
     variant's data source by default), the filters and the tokenizer, with all their options and the
     versions of lmlab and of their plugin distributions (a new release may tokenize or filter
-    differently), the tokenizer's fingerprint (the files it reads), and, for a run with [init], the digest of the init's fitted tokenizer."""
+    differently), the tokenizer's fingerprint (the files it reads), and, for a run with [init], the
+    digest of the init's fitted tokenizer."""
     data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
     data = source or variant.instantiate("data")
     filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]

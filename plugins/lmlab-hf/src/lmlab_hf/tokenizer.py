@@ -158,14 +158,14 @@ class HFTokenizer(Tokenizer):
 def special_ids(folder: Path, tokenizer: FastTokenizer) -> dict[str, int]:
     """name → id of the special tokens a Hugging Face folder declares (see the module docstring)."""
     special: dict[str, int] = {}
-    config = _read_json(folder / "tokenizer_config.json")
+    config = _read_json(folder / CONFIG_FILES[0])  # tokenizer_config.json
     for name in SPECIAL_NAMES:
         token = config.get(f"{name}_token")
         if isinstance(token, dict):  # an AddedToken written out: {"content": "</s>", ...}
             token = token.get("content")
         if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
             special[name] = tokenizer.token_to_id(token)
-    for file in ("generation_config.json", "config.json"):
+    for file in CONFIG_FILES[1:]:  # generation_config.json, config.json
         values = _read_json(folder / file)
         for name in ("bos", "eos", "pad"):
             value = values.get(f"{name}_token_id")
