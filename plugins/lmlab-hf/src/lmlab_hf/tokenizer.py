@@ -34,8 +34,11 @@ from lmlab.api import Field, Options, Tokenizer, UserError
 
 TOKENIZER_FILE = "tokenizer.json"
 STATE_FILE = "lmlab_hf.json"
-# The files besides tokenizer.json that the special token ids come from (see special_ids).
-CONFIG_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
+# The files besides tokenizer.json that the special token ids come from (see special_ids): the
+# tokenizer's config names the tokens, the model's configs give bos/eos/pad as ids.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+MODEL_CONFIGS = ("generation_config.json", "config.json")
+CONFIG_FILES = (TOKENIZER_CONFIG, *MODEL_CONFIGS)
 SPECIAL_NAMES = ("bos", "eos", "unk", "pad", "mask", "sep", "cls")
 
 
@@ -158,14 +161,14 @@ class HFTokenizer(Tokenizer):
 def special_ids(folder: Path, tokenizer: FastTokenizer) -> dict[str, int]:
     """name → id of the special tokens a Hugging Face folder declares (see the module docstring)."""
     special: dict[str, int] = {}
-    config = _read_json(folder / CONFIG_FILES[0])  # tokenizer_config.json
+    config = _read_json(folder / TOKENIZER_CONFIG)
     for name in SPECIAL_NAMES:
         token = config.get(f"{name}_token")
         if isinstance(token, dict):  # an AddedToken written out: {"content": "</s>", ...}
             token = token.get("content")
         if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
             special[name] = tokenizer.token_to_id(token)
-    for file in CONFIG_FILES[1:]:  # generation_config.json, config.json
+    for file in MODEL_CONFIGS:
         values = _read_json(folder / file)
         for name in ("bos", "eos", "pad"):
             value = values.get(f"{name}_token_id")
