@@ -33,7 +33,7 @@ def test_mamba_is_registered_as_an_attention_plugin():
     assert ep.load() is Mamba
 
 
-@pytest.mark.parametrize("chunk_size", [8, 3])
+@pytest.mark.parametrize("chunk_size", ["auto", 8, 3])
 def test_decoding_with_prefill_single_steps_and_a_chunk_equals_the_full_forward(chunk_size):
     module = build(chunk_size=chunk_size)
     x = torch.randn(2, 13, SHAPE.d_model)
@@ -148,7 +148,8 @@ def test_option_mistakes_are_reported_with_their_key():
     with pytest.raises(UserError) as error:
         Mamba(Mamba.Options(dt_min=0.5, dt_max=0.1)).build(SHAPE, 0)
     assert error.value.key == "attention.dt_min"
-    for wrong in ({"d_stat": 16}, {"dt_rank": 0}, {"dt_rank": "full"}, {"chunk_size": 0}):
+    for wrong in ({"d_stat": 16}, {"dt_rank": 0}, {"dt_rank": "full"}, {"chunk_size": 0},
+                  {"chunk_size": 65}, {"chunk_size": "fast"}):
         with pytest.raises(ValueError):  # pydantic's error, which the manifest loader reports with the key
             Mamba.Options(**wrong)
 

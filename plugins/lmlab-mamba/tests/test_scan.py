@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmlab_mamba.scan import selective_scan, selective_step
+from lmlab_mamba.scan import CHUNK_STATES, MAX_CHUNK, MIN_CHUNK, auto_chunk_size, selective_scan, selective_step
 
 T, BATCH, D, N = 37, 3, 10, 5
 
@@ -49,6 +49,28 @@ def test_chunked_scan_equals_the_sequential_recurrence_for_any_chunk_size(chunk_
     for name, grad, grad_ref in zip(["x", "dt", "A", "B", "C", "h0"], grads, grads_ref):
         scale = grad_ref.abs().max()
         assert (grad - grad_ref).abs().max() <= 1e-5 * max(scale, 1.0), name
+
+
+def test_the_automatic_chunk_fills_the_state_budget_with_a_power_of_two():
+    cpu = torch.device("cpu")
+    for rows in (1, 2, 3, 12, 32, 64, 1000):
+        for d_inner, d_state in ((256, 16), (512, 16), (64, 4), (4096, 128)):
+            length = auto_chunk_size(rows, d_inner, d_state, cpu)
+            assert MIN_CHUNK <= length <= MAX_CHUNK and length & (length - 1) == 0
+            states = rows * length * d_state * d_inner
+            assert length == MIN_CHUNK or states <= CHUNK_STATES        # fits, unless already the shortest
+            assert length == MAX_CHUNK or 2 * states > CHUNK_STATES     # and the next doubling would not
+    # The quickstart's mixer (12 rows, d_inner 256, d_state 16) keeps its 8 steps; one long row gets 64.
+    assert auto_chunk_size(12, 256, 16, cpu) == 8 and auto_chunk_size(1, 256, 16, cpu) == 64
+    assert auto_chunk_size(12, 256, 16, torch.device("meta")) == MAX_CHUNK
+
+
+def test_the_automatic_chunk_gives_the_recurrence_too():
+    args = inputs()
+    y, h = selective_scan(*args)            # chunk_size None: auto, here 64 (> T: the whole sequence at once)
+    y_ref, h_ref = sequential_scan(*args)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
 
 
 def test_scan_without_an_initial_state_starts_from_zeros():

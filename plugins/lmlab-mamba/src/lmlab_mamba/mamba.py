@@ -24,7 +24,7 @@ d_conv inputs of the convolution and the (d_inner, d_state) recurrent state, wha
 """
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ class MambaMixer(AttentionModule):
     """The Mamba block's mixer (everything between the block's norm and its residual add)."""
 
     def __init__(self, shape: ModelShape, *, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
-                 conv_bias: bool, dt_min: float, dt_max: float, chunk_size: int, cuda_kernels: bool):
+                 conv_bias: bool, dt_min: float, dt_max: float, chunk_size: int | None, cuda_kernels: bool):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.dt_min, self.dt_max, self.chunk_size = dt_min, dt_max, chunk_size
@@ -218,7 +218,9 @@ class MambaOptions(Options):
     dt_min: float = Field(0.001, gt=0, help="smallest initial Δ (log-uniform in [dt_min, dt_max])")
     dt_max: float = Field(0.1, gt=0, help="largest initial Δ")
     conv_bias: bool = Field(True, help="bias in the convolution")
-    chunk_size: int = Field(8, ge=1, le=64, help="time steps the parallel scan takes at once (8 is fastest on a CPU)")
+    chunk_size: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", help='time steps the parallel scan takes at once, 1 to 64; "auto" = sized to the CPU\'s caches '
+                     "from the batch and state size (8 for the quickstart)")
     use_cuda_kernels: bool | Literal["auto"] = Field(
         "auto", help='use mamba_ssm\'s fused kernels for CUDA inputs: "auto" = when installed; true = '
                      "require them; false = always the plain PyTorch scan")
@@ -242,4 +244,5 @@ class Mamba(Attention):
                             'set it to "auto" to fall back to the PyTorch scan', key="attention.use_cuda_kernels")
         return MambaMixer(shape, d_inner=o.expand * shape.d_model, d_state=o.d_state, d_conv=o.d_conv,
                           dt_rank=dt_rank, conv_bias=o.conv_bias, dt_min=o.dt_min, dt_max=o.dt_max,
-                          chunk_size=o.chunk_size, cuda_kernels=o.use_cuda_kernels is not False)
+                          chunk_size=None if o.chunk_size == "auto" else o.chunk_size,
+                          cuda_kernels=o.use_cuda_kernels is not False)

@@ -12,8 +12,10 @@ log-depth parallel prefix of Sklansky (1960): the steps h ↦ a_t h + u_t compos
 log2(L) rounds the second half of every block of 2^k steps takes in the last state of the first half,
 ``h[second] += a[second] ⊙ h[last of first]``, and its running decay products take in the first
 half's, ``a[second] *= a[last of first]``. Each round is two in-place broadcasting products over half
-the chunk, views of one buffer. (Chunks are short because every round is another pass over the
-states: 8 steps need three.)
+the chunk, views of one buffer. Every round is another pass over the states, so chunks are short, but
+every chunk costs each of its ops' fixed overhead once more: :func:`auto_chunk_size` sizes them so that
+a chunk's states fill the CPU's caches, 8 steps at the quickstart's batch of 12 and up to 64 for one
+long sequence.
 
 Every factor is a decay a_t = exp(Δ_t A) ≤ 1 and every sum one of states, so nothing can overflow and
 the result matches the recurrence to rounding for any Δ. A scan in log space (products as exp(S_t) ·
@@ -51,17 +53,37 @@ import torch
 from torch.autograd.function import once_differentiable
 
 LOG2_E = 1.0 / math.log(2.0)
+# The most float32 states one chunk may hold under auto_chunk_size: 2 MiB, the two cores' L2 caches of
+# the CPU it was measured on (bench/mamba_chunks.py: the best or within 1 % of it for 1 to 32 batch
+# rows, 64 to 1024 steps and d_inner 256 and 512; 8 steps for 12 rows of d_inner 256 and d_state 16).
+CHUNK_STATES = 2 ** 19
+MIN_CHUNK, MAX_CHUNK = 4, 64
+
+
+def auto_chunk_size(batch_rows: int, d_inner: int, d_state: int, device: torch.device) -> int:
+    """The chunk length for this many rows and this state size: on a CPU the largest power of two in
+    [4, 64] whose states fit in CHUNK_STATES (each chunk's ops then run in the caches, and there are as
+    few chunks as that allows); elsewhere 64, the fewest chunks, since each op's launch is what costs
+    there (not measured: this machine has no GPU)."""
+    if device.type != "cpu":
+        return MAX_CHUNK
+    length = MIN_CHUNK
+    while length < MAX_CHUNK and batch_rows * 2 * length * d_state * d_inner <= CHUNK_STATES:
+        length *= 2
+    return length
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   h0: torch.Tensor | None = None, chunk_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence above over T steps, in chunks of ``chunk_size``.
+                   h0: torch.Tensor | None = None, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence above over T steps, in chunks of ``chunk_size`` (None: :func:`auto_chunk_size`).
 
     x, dt (Bt, T, D); A (D, N) ≤ 0; B, C (Bt, T, N); h0 (Bt, D, N) or None for zeros; all float32.
     Returns y (Bt, T, D) and the last state h_T (Bt, D, N).
     """
     if h0 is None:
         h0 = x.new_zeros(x.shape[0], A.shape[0], A.shape[1])
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(x.shape[0], A.shape[0], A.shape[1], x.device)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, dt, A, B, C, h0))
     with torch.autocast(x.device.type, enabled=False):  # mixed precision must not reach the scan
         return _ChunkedScan.apply(x, dt, A, B, C, h0, chunk_size, backward)
