@@ -25,6 +25,7 @@ import argparse
 
 import torch
 
+import lmlab_mamba.inner
 import lmlab_mamba.mamba
 import lmlab_mamba.scan
 from stepper import ModelStepper, interleaved_medians
@@ -36,24 +37,38 @@ VARIANTS = {"mha": ["attention.use=mha", "position.use=learned"],
 
 
 class PatchedStepper(ModelStepper):
-    """A model that steps with one attribute of a module swapped (a measuring device, not a model)."""
+    """A model that steps with attributes of modules swapped (a measuring device, not a model)."""
 
-    def __init__(self, overrides: list[str], module, name: str, stand_in):
+    def __init__(self, overrides: list[str], patches: list[tuple[object, str, object]]):
         super().__init__(overrides)
-        self.patch = module, name, stand_in
+        self.patches = patches
 
     def steps(self, n: int) -> float:
-        module, name, stand_in = self.patch
-        real = getattr(module, name)
-        setattr(module, name, stand_in)
+        real = [getattr(module, name) for module, name, _ in self.patches]
+        for module, name, stand_in in self.patches:
+            setattr(module, name, stand_in)
         try:
             return super().steps(n)
         finally:
-            setattr(module, name, real)
+            for (module, name, _), original in zip(self.patches, real):
+                setattr(module, name, original)
 
 
+# The scan as y = Δ·x, in both of the mixer's paths: op by op (selective_scan) and fused (lmlab_mamba.inner).
 def _no_scan(x, dt, A, B, C, h0=None, chunk_size=None):
     return x * dt, x.new_zeros(x.shape[0], A.shape[0], A.shape[1])
+
+
+def _no_scan_forward(x, dt, A, B, C, h0, chunk_size, training):
+    return x * dt, None, None
+
+
+def _no_scan_backward(x, dt, A, B, C, kept, gy, gh_last):
+    return gy * dt, gy * x, torch.zeros_like(A), B.new_zeros(B.shape), C.new_zeros(C.shape), None
+
+
+NO_SCAN = [(lmlab_mamba.mamba, "selective_scan", _no_scan), (lmlab_mamba.inner, "scan_forward", _no_scan_forward),
+           (lmlab_mamba.inner, "scan_backward", _no_scan_backward)]
 
 
 def _no_rounds(rounds) -> None:
@@ -79,8 +94,8 @@ def main() -> None:
                 for name, overrides in VARIANTS.items()}
     if args.budget:
         mamba = args.both + VARIANTS["mamba"] + args.overrides
-        steppers["no-scan"] = PatchedStepper(mamba, lmlab_mamba.mamba, "selective_scan", _no_scan)
-        steppers["no-recurrence"] = PatchedStepper(mamba, lmlab_mamba.scan, "_run", _no_rounds)
+        steppers["no-scan"] = PatchedStepper(mamba, NO_SCAN)
+        steppers["no-recurrence"] = PatchedStepper(mamba, [(lmlab_mamba.scan, "_run", _no_rounds)])
     median = interleaved_medians(steppers, args.windows, args.every, warmup=args.every)
     tokens = steppers["mha"].B * steppers["mha"].T
     print(f"threads {torch.get_num_threads()} | {args.windows} interleaved windows of {args.every} steps | "

@@ -11,7 +11,7 @@ import torch
 
 from lmlab import manifest
 from lmlab.model import compute_loss
-from lmlab.train import build
+from lmlab.train import allocator, build
 from lmlab.train import tokens as token_cache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,9 @@ QUICKSTART = ROOT / "experiments" / "shakespeare-char.toml"
 class ModelStepper:
     """One variant's model, objective and optimizer, stepping on random windows of tinyshakespeare."""
 
-    def __init__(self, overrides: list[str], seed: int = 0):
+    def __init__(self, overrides: list[str], seed: int = 0, tune_malloc: bool = True):
+        if tune_malloc:  # as `lmlab run` does before training (lmlab.train.allocator, bench/allocator.py)
+            allocator.tune_for_training()
         (variant,) = manifest.load(QUICKSTART, ["tracker.use=none", *overrides])
         data = token_cache.prepare(variant)
         plugins = build.instantiate_all(variant)

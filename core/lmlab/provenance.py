@@ -33,9 +33,12 @@ def plugins(variant) -> dict:
 
 def environment(device: bool = True) -> dict:
     """Versions of lmlab, Python, torch and Lightning, the git revision of lmlab's checkout (when it
-    is one) and the device a run would use."""
+    is one), how training sets up malloc (lmlab.train.allocator) and the device a run would use."""
+    from lmlab.train import allocator
+
     env = {"lmlab": __version__, "git": git_revision(SOURCE_DIR), "python": platform.python_version(),
-           "torch": _version("torch"), "lightning": _version("lightning"), "platform": platform.platform()}
+           "torch": _version("torch"), "lightning": _version("lightning"), "platform": platform.platform(),
+           "malloc": allocator.setting()}
     if device:
         env["device"] = device_name()
     return env

@@ -15,7 +15,7 @@ import torch
 from lmlab import pretrained, provenance
 from lmlab.api import RunInfo
 from lmlab.hooks import Hooks
-from lmlab.train import adapters, build, tokens as token_cache
+from lmlab.train import adapters, allocator, build, tokens as token_cache
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
 from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
@@ -45,6 +45,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     cfg = variant.manifest["train"]
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
+    allocator.tune_for_training()
     L.seed_everything(variant.manifest["seed"], verbose=False)
     plugins = build.instantiate_all(variant)
     tokens = token_cache.prepare(variant)

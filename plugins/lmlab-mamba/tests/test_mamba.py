@@ -165,3 +165,49 @@ def test_requiring_cuda_kernels_without_mamba_ssm_is_a_user_error():
     assert error.value.key == "attention.use_cuda_kernels"
     # "auto" (the default) falls back to the PyTorch scan silently.
     assert build(scramble=False).kernels is None
+
+
+@pytest.mark.parametrize("steps, options", [(37, {}), (37, {"chunk_size": 8, "conv_bias": False}), (2, {}),
+                                            (16, {"chunk_size": 4, "d_conv": 1})])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_training_path_equals_the_op_by_op_one(monkeypatch, steps, options, bias):
+    # lmlab_mamba.inner writes out the backward pass from in_proj's output to out_proj's input; the
+    # op-by-op path, which autograd differentiates, is the reference. 37 steps leave a short last chunk,
+    # 2 are fewer than the convolution's reach.
+    shape = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=64, vocab_size=11, bias=bias)
+    module = build(shape, **options).train()
+    x = torch.randn(3, steps, SHAPE.d_model)
+    weights = torch.randn(3, steps, SHAPE.d_model)
+
+    def outputs_and_grads(fused: bool):
+        monkeypatch.setattr(MambaMixer, "_fusable", lambda self, xz: fused)
+        u = x.clone().requires_grad_()
+        module.zero_grad()
+        y = module(u, context(0, steps))
+        (y * weights).sum().backward()
+        return y, u.grad, {name: p.grad.clone() for name, p in module.named_parameters()}
+
+    y, grad_u, grads = outputs_and_grads(True)
+    y_ref, grad_u_ref, grads_ref = outputs_and_grads(False)
+    assert y.abs().max() > 0.1
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    # Float32 rounding of sums taken in another order, relative to each gradient's scale.
+    assert (grad_u - grad_u_ref).abs().max() <= 1e-5 * max(grad_u_ref.abs().max().item(), 1.0)
+    assert grads.keys() == grads_ref.keys() and ("in_proj.bias" in grads) == bias
+    for name, grad in grads.items():
+        scale = max(grads_ref[name].abs().max().item(), 1.0)
+        assert (grad - grads_ref[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_the_fused_path_runs_in_float32_training_and_steps_aside_otherwise():
+    module = build()
+    xz = torch.randn(2, 5, 2 * module.d_inner)
+    assert module._fusable(xz)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not module._fusable(xz)  # x_proj would run in bf16 on the op-by-op path
+    assert not module._fusable(xz.bfloat16())
+
+    class Wrapped(torch.nn.Linear):  # as a PEFT method's layer: it must be called, not read
+        pass
+    module.x_proj = Wrapped(module.d_inner, module.dt_rank + 2 * module.d_state, bias=False)
+    assert not module._fusable(xz)

@@ -18,9 +18,11 @@ scores, which it has no place for.
 
 Parameter names and layouts are those of Hugging Face transformers' ``MambaMixer`` (and of the
 reference ``mamba_ssm.Mamba``), so checkpoints convert one to one. The scan is the chunked parallel
-scan of ``lmlab_mamba.scan`` in plain PyTorch; with ``use_cuda_kernels`` and ``mamba_ssm`` installed,
-CUDA inputs go through its fused kernels instead. Decoding keeps a :class:`MambaState`: the last
-d_conv inputs of the convolution and the (d_inner, d_state) recurrent state, whatever the length.
+scan of ``lmlab_mamba.scan`` in plain PyTorch; in float32 training the whole mixer between its
+projections is one autograd Function (``lmlab_mamba.inner``), and the op-by-op forward below serves
+everything else. With ``use_cuda_kernels`` and ``mamba_ssm`` installed, CUDA inputs go through its
+fused kernels instead. Decoding keeps a :class:`MambaState`: the last d_conv inputs of the
+convolution and the (d_inner, d_state) recurrent state, whatever the length.
 """
 
 import math
@@ -30,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from lmlab.api import Attention, AttentionModule, Field, MixerContext, ModelShape, Options, UserError
+from lmlab_mamba.conv import CausalConvSiLU
+from lmlab_mamba.inner import MambaInner
 from lmlab_mamba.scan import selective_scan, selective_step
 
 
@@ -113,7 +116,12 @@ class MambaMixer(AttentionModule):
             return self._forward_cuda(u)
         # Batch-major throughout, as the block hands it over: no transposes, and every op splits its
         # work between threads by batch rows (see lmlab_mamba.scan).
-        x, z = self.in_proj(u).chunk(2, dim=-1)                               # (B, T, Di) each
+        xz = self.in_proj(u)                                                  # (B, T, 2 Di)
+        if state is None and self._fusable(xz):
+            return self.out_proj(MambaInner.apply(
+                xz, self.conv1d.weight[:, 0].t(), self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                self.dt_proj.bias, self.A_log, self.D, self.chunk_size))
+        x, z = xz.chunk(2, dim=-1)                                            # (B, T, Di) each
         x = self._conv_silu(x, state)                                         # (B, T, Di)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         # dt_proj as addmm with its weight transposed into a contiguous (dt_rank, Di) copy: with such a
@@ -133,12 +141,22 @@ class MambaMixer(AttentionModule):
         y = torch.addcmul(y, xf, self.D.float()).to(u.dtype) * F.silu(z)      # (B, T, Di)
         return self.out_proj(y)                                               # (B, T, C)
 
+    def _fusable(self, xz: torch.Tensor) -> bool:
+        """Whether the one-Function path of :mod:`lmlab_mamba.inner` applies: float32 throughout and no
+        autocast (which would run x_proj in 16 bits), not while torch.compile traces (it compiles the
+        op-by-op path), and x_proj and dt_proj plain Linear layers (a PEFT method's wrapper must be
+        called, not read)."""
+        return (xz.dtype == torch.float32 and self.A_log.dtype == torch.float32
+                and self.conv1d.weight.dtype == torch.float32 and self.x_proj.weight.dtype == torch.float32
+                and not torch.is_autocast_enabled(xz.device.type) and not torch.compiler.is_compiling()
+                and type(self.x_proj) is nn.Linear and type(self.dt_proj) is nn.Linear)
+
     def _conv_silu(self, x: torch.Tensor, state: MambaState | None) -> torch.Tensor:
         """silu of the causal depthwise convolution over time, x (B, T, Di) → (B, T, Di):
-        out_t = Σ_k w_k x_{t-K+1+k}, as K shifted multiply-adds (see :class:`_CausalConvSiLU`)."""
+        out_t = Σ_k w_k x_{t-K+1+k}, as K shifted multiply-adds (see :mod:`lmlab_mamba.conv`)."""
         w = self.conv1d.weight[:, 0].t()                                      # (K, Di)
         if state is None:
-            return _CausalConvSiLU.apply(x, w, self.conv1d.bias)
+            return CausalConvSiLU.apply(x, w, self.conv1d.bias)
         T, K = x.shape[1], self.d_conv
         # The cache holds the last K inputs; the first of them is one step more than the kernel reaches.
         window = torch.cat([state.conv_state.transpose(1, 2), x.to(state.conv_state.dtype)], 1)  # (B, K+T, Di)
@@ -160,44 +178,6 @@ class MambaMixer(AttentionModule):
                               B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), self.D.float(),
                               z=z.contiguous(), delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
         return self.out_proj(y.transpose(1, 2))                               # (B, T, C)
-
-
-class _CausalConvSiLU(torch.autograd.Function):
-    """silu(causal depthwise conv1d(x)) over x (B, T, Di), weight (K, Di), bias (Di) or None, without a
-    decoding state: the steps before the first see zeros.
-
-    The convolution is K shifted multiply-adds over the input padded with K - 1 zeros: on a CPU several
-    times faster than ``nn.Conv1d``, whose depthwise backward is slow. Recorded by autograd, each
-    in-place add on a shifted slice costs a copy of the gradient; written out, the backward is the same
-    K shifted adds run the other way and one product per tap for the weight.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        K, T = weight.shape[0], x.shape[1]
-        padded = F.pad(x, (0, 0, K - 1, 0))                                   # (B, K-1+T, Di), zeros first
-        last = padded[:, K - 1:]                                              # x itself
-        pre = last * weight[K - 1] if bias is None else torch.addcmul(bias, last, weight[K - 1])
-        for k in range(K - 1):  # tap k reaches K-1-k steps back
-            pre.addcmul_(padded[:, k:k + T], weight[k])
-        ctx.save_for_backward(padded, weight, pre)
-        ctx.has_bias = bias is not None
-        return F.silu(pre)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        padded, weight, pre = ctx.saved_tensors
-        K, T = weight.shape[0], pre.shape[1]
-        g = torch.ops.aten.silu_backward(grad, pre)                          # dL/d(conv output)
-        gx = g * weight[K - 1]
-        gw = torch.empty_like(weight)
-        for k in range(K):
-            if k < K - 1:
-                shift = K - 1 - k
-                gx[:, :T - shift].addcmul_(g[:, shift:], weight[k])
-            gw[k] = torch.sum(g * padded[:, k:k + T], (0, 1))                # Σ_t g_t x_{t-K+1+k}
-        return gx, gw, g.sum((0, 1)) if ctx.has_bias else None
 
 
 def _load_cuda_kernels():

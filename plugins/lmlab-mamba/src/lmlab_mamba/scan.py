@@ -195,127 +195,146 @@ def _unchunked(t: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class _ChunkedScan(torch.autograd.Function):
-    """Forward and backward of :func:`selective_scan`.
-
-    The (Bt, T, ·) inputs are copied once into chunk-major (n, Bt, L, ·) tensors, padded with zeros to
-    whole chunks (Δ = 0 there: a decay of 1 and no input, so a padded step passes the state on
-    unchanged), so that every chunk is a contiguous block of the same shape, split into per-chunk views
-    once: the loop over chunks does no slicing or copying of inputs and outputs. Every buffer that does
-    not leave the function comes from the pool, the chunk starts kept for the backward pass included
-    (given back when the graph that holds them goes).
-    """
+    """Forward and backward of :func:`selective_scan` (see :func:`scan_forward` and :func:`scan_backward`)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, h0, chunk_size, training):
         if training:  # the arguments themselves: torch.compile refuses to save views of them
             ctx.save_for_backward(x, dt, A, B, C)
-        At2 = A.t().contiguous() * LOG2_E                                    # (N, D) A in base-2 units
-        Bt, T, D = x.shape
-        N = At2.shape[0]
-        L = max(1, min(chunk_size, T))
-        n = -(-T // L)
-        flat, (hs, a, dt_c, v_c, B_c, C_c, y_c) = _buffers(
-            x, (Bt, L, N, D), (Bt, L, N, D), (n, Bt, L, D), (n, Bt, L, D), (n, Bt, L, N), (n, Bt, L, N),
-            (n, Bt * L, 1, D))
-        _chunk_into(dt_c, dt)
-        _chunk_into(v_c, x).mul_(dt_c)                                       # Δ_t x_t
-        _chunk_into(B_c, B)
-        _chunk_into(C_c, C)
-        prefix, hs_r, hs_last = _prefix_rounds(hs, a), hs.view(-1, N, D), hs[:, -1]
-        start = (hs[:, 0], a[:, 0])
-        # The state each chunk starts from and the last one: all of them when the backward pass will
-        # recompute the chunks from them, else the two in use.
-        count = n + 1 if training else 2
-        if torch.compiler.is_compiling():  # dynamo cannot keep a view of a pooled buffer for backward
-            kept, starts = None, x.new_empty(count, Bt, N, D)
-        else:
-            kept, (starts,) = _buffers(x, (count, Bt, N, D))
-        starts[0] = h0.transpose(1, 2)
-        chunks = zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
-                     C_c.view(n, -1, 1, N).unbind(), y_c.unbind())
-        slots = starts.unbind()
-        for k, (dt_k, v_k, B_k, C_k, y_k) in enumerate(chunks):
-            torch.mul(dt_k, At2, out=a).exp2_()                              # a_t = exp(Δ_t A)
-            _states(hs, start, prefix, slots[k % len(slots)], v_k, B_k)
-            torch.bmm(C_k, hs_r, out=y_k)                                    # y_t = C_t · h_t
-            slots[(k + 1) % len(slots)].copy_(hs_last)
-        y, h_last = _unchunked(y_c.view(n, Bt, L, D), T), starts[n % len(starts)].transpose(1, 2).clone()
-        _POOL.give(flat)
-        if training:
-            ctx.L, ctx.starts = L, starts
-            if kept is not None:  # back to the pool with the graph (a second backward pass reads them too)
-                weakref.finalize(ctx, _POOL.give, kept)
-        elif kept is not None:
-            _POOL.give(kept)
+        y, h_last, ctx.kept = scan_forward(x, dt, A, B, C, h0, chunk_size, training)
         return y, h_last
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, gh_last):
         with torch.autocast(gy.device.type if gy is not None else gh_last.device.type, enabled=False):
-            return _ChunkedScan._backward(ctx, gy, gh_last)
+            return *scan_backward(*ctx.saved_tensors, ctx.kept, gy, gh_last), None, None
 
-    @staticmethod
-    def _backward(ctx, gy, gh_last):
-        x, dt, A, B, C = ctx.saved_tensors
-        At = A.t().contiguous()                                              # (N, D)
-        At2 = At * LOG2_E
-        Bt, T, D = x.shape
-        N, L, starts = At.shape[0], ctx.L, ctx.starts
-        n = starts.shape[0] - 1
-        # Inputs and gradients chunk-major (n, Bt, L, ·); states, their decays (which the prefix
-        # overwrites), gradients, decays for the suffix (one step more: the suffix reads a_{t+1} at step t;
-        # zeroed so that the one past the chunk's end holds a number) and dL/dA per (row, step), summed
-        # over chunks.
-        flat, (x_c, dt_c, v_c, gy_c, gv_c, gdt_c, B_c, C_c, gB_c, gC_c, hs, a_fwd, gh, a, gA_steps) = _buffers(
-            x, *[(n, Bt, L, D)] * 6, *[(n, Bt, L, N)] * 4, *[(Bt, L, N, D)] * 3, (Bt, L + 1, N, D), (Bt, L, N, D))
-        for chunked, t in ((x_c, x), (dt_c, dt), (B_c, B), (C_c, C)):
-            _chunk_into(chunked, t)
-        torch.mul(dt_c, x_c, out=v_c)
-        if gy is None:
-            gy_c.zero_()
-        else:
-            _chunk_into(gy_c, gy)
-        # G: dL/dh at the end of the chunk being processed, walking backwards from the last one.
-        G = starts.new_zeros(Bt, N, D)
-        if gh_last is not None:
-            G.copy_(gh_last.transpose(1, 2))
-        a.zero_()
-        gA_steps.zero_()
-        prefix, suffix = _prefix_rounds(hs, a_fwd), _suffix_rounds(gh, a[:, 1:])
-        start, a_head, a0, gh0, gh_end = (hs[:, 0], a_fwd[:, 0]), a[:, :L], a[:, 0], gh[:, 0], gh[:, -1]
-        hs_r, gh_r = hs.view(-1, N, D), gh.view(-1, N, D)
-        hs_rt, gh_rt = hs_r.transpose(1, 2), gh_r.transpose(1, 2)
-        slots = starts.unbind()
-        rows = lambda t, k: t.view(n, -1, 1, k).unbind()                     # noqa: E731  (Bt·L, 1, k) each
-        chunks = list(zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
-                          C_c[..., None].unbind(), gy_c[:, :, :, None].unbind(), rows(v_c, D), rows(B_c, N),
-                          rows(gy_c, D), rows(gv_c, D), rows(gB_c, N), rows(gC_c, N), gdt_c.unbind()))
-        for k in reversed(range(n)):
-            dt_k, v_k, B_k, C_k, gy_k, v_r, B_r, gy_r, gv_r, gB_r, gC_r, gdt_k = chunks[k]
-            torch.mul(dt_k, At2, out=a_head).exp2_()
-            a_fwd.copy_(a_head)                                              # cheaper than exp2 again
-            _states(hs, start, prefix, slots[k], v_k, B_k)
-            # dL/dh_t = C_t gy_t + a_{t+1} dL/dh_{t+1}, entering with G at the chunk's last step.
-            torch.mul(C_k, gy_k, out=gh)
-            gh_end.add_(G)
-            _run(suffix)
-            torch.mul(a0, gh0, out=G)                                        # dL/dh at the chunk's start
-            torch.bmm(gy_r, hs_rt, out=gC_r)                                 # Σ_d h gy
-            torch.bmm(v_r, gh_rt, out=gB_r)                                  # Σ_d gh Δx
-            torch.bmm(B_r, gh_r, out=gv_r)                                   # Σ_n B gh
-            # dL/da_t for the log-decay a_t = Δ_t A: dL/dh_t ⊙ exp(a_t) h_{t-1} = dL/dh_t ⊙ (h_t - u_t).
-            # The states are not needed any more, so it overwrites them.
-            ga = hs.addcmul_(v_k, B_k, value=-1.0).mul_(gh)
-            torch.sum(torch.mul(ga, At, out=gh), 2, out=gdt_k)              # Σ_n dL/da ⊙ A
-            gA_steps.addcmul_(ga, dt_k)
-        gAt = gA_steps.sum((0, 1))                                           # (N, D)
-        gdt_c.addcmul_(gv_c, x_c)                                            # Δ also scales the input
-        gx_c = gv_c.mul_(dt_c)
-        grads = (*(_unchunked(t, T) for t in (gx_c, gdt_c)), gAt.t(), *(_unchunked(t, T) for t in (gB_c, gC_c)),
-                 G.transpose(1, 2), None, None)
-        _POOL.give(flat)
-        return grads
+
+class ChunkStarts:
+    """What the backward pass of a scan needs besides its inputs: the chunk length and the state each
+    chunk starts from, in a pooled buffer that goes back to the pool with this object (and so with the
+    graph that holds it: a second backward pass reads the starts too)."""
+
+    def __init__(self, length: int, starts: torch.Tensor, pooled: torch.Tensor | None):
+        self.length, self.starts = length, starts
+        if pooled is not None:
+            weakref.finalize(self, _POOL.give, pooled)
+
+
+def scan_forward(x, dt, A, B, C, h0, chunk_size, training) -> tuple[torch.Tensor, torch.Tensor, ChunkStarts | None]:
+    """y (Bt, T, D) and h_T (Bt, D, N) of the recurrence from h0 (None: zeros), and with ``training``
+    what :func:`scan_backward` needs of this call (else None). No autograd: the callers are autograd Functions.
+
+    The (Bt, T, ·) inputs are copied once into chunk-major (n, Bt, L, ·) tensors, padded with zeros to
+    whole chunks (Δ = 0 there: a decay of 1 and no input, so a padded step passes the state on
+    unchanged), so that every chunk is a contiguous block of the same shape, split into per-chunk views
+    once: the loop over chunks does no slicing or copying of inputs and outputs. Every buffer that does
+    not leave the function comes from the pool, the chunk starts kept for the backward pass included.
+    """
+    At2 = A.t().contiguous() * LOG2_E                                    # (N, D) A in base-2 units
+    Bt, T, D = x.shape
+    N = At2.shape[0]
+    L = max(1, min(chunk_size, T))
+    n = -(-T // L)
+    flat, (hs, a, dt_c, v_c, B_c, C_c, y_c) = _buffers(
+        x, (Bt, L, N, D), (Bt, L, N, D), (n, Bt, L, D), (n, Bt, L, D), (n, Bt, L, N), (n, Bt, L, N),
+        (n, Bt * L, 1, D))
+    _chunk_into(dt_c, dt)
+    _chunk_into(v_c, x).mul_(dt_c)                                       # Δ_t x_t
+    _chunk_into(B_c, B)
+    _chunk_into(C_c, C)
+    prefix, hs_r, hs_last = _prefix_rounds(hs, a), hs.view(-1, N, D), hs[:, -1]
+    start = (hs[:, 0], a[:, 0])
+    # The state each chunk starts from and the last one: all of them when the backward pass will
+    # recompute the chunks from them, else the two in use.
+    count = n + 1 if training else 2
+    if torch.compiler.is_compiling():  # dynamo cannot keep a view of a pooled buffer for backward
+        kept, starts = None, x.new_empty(count, Bt, N, D)
+    else:
+        kept, (starts,) = _buffers(x, (count, Bt, N, D))
+    if h0 is None:
+        starts[0].zero_()
+    else:
+        starts[0] = h0.transpose(1, 2)
+    chunks = zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
+                 C_c.view(n, -1, 1, N).unbind(), y_c.unbind())
+    slots = starts.unbind()
+    for k, (dt_k, v_k, B_k, C_k, y_k) in enumerate(chunks):
+        torch.mul(dt_k, At2, out=a).exp2_()                              # a_t = exp(Δ_t A)
+        _states(hs, start, prefix, slots[k % len(slots)], v_k, B_k)
+        torch.bmm(C_k, hs_r, out=y_k)                                    # y_t = C_t · h_t
+        slots[(k + 1) % len(slots)].copy_(hs_last)
+    y, h_last = _unchunked(y_c.view(n, Bt, L, D), T), starts[n % len(starts)].transpose(1, 2).clone()
+    _POOL.give(flat)
+    if training:
+        return y, h_last, ChunkStarts(L, starts, kept)
+    if kept is not None:
+        _POOL.give(kept)
+    return y, h_last, None
+
+
+def scan_backward(x, dt, A, B, C, kept: ChunkStarts, gy, gh_last) -> tuple[torch.Tensor, ...]:
+    """The gradients (x, dt, A, B, C, h0) of a :func:`scan_forward` call from those of y and h_T (either
+    may be None: zero)."""
+    At = A.t().contiguous()                                              # (N, D)
+    At2 = At * LOG2_E
+    Bt, T, D = x.shape
+    N, L, starts = At.shape[0], kept.length, kept.starts
+    n = starts.shape[0] - 1
+    # Inputs and gradients chunk-major (n, Bt, L, ·); states, their decays (which the prefix
+    # overwrites), gradients, decays for the suffix (one step more: the suffix reads a_{t+1} at step t;
+    # zeroed so that the one past the chunk's end holds a number) and dL/dA per (row, step), summed
+    # over chunks.
+    flat, (x_c, dt_c, v_c, gy_c, gv_c, gdt_c, B_c, C_c, gB_c, gC_c, hs, a_fwd, gh, a, gA_steps) = _buffers(
+        x, *[(n, Bt, L, D)] * 6, *[(n, Bt, L, N)] * 4, *[(Bt, L, N, D)] * 3, (Bt, L + 1, N, D), (Bt, L, N, D))
+    for chunked, t in ((x_c, x), (dt_c, dt), (B_c, B), (C_c, C)):
+        _chunk_into(chunked, t)
+    torch.mul(dt_c, x_c, out=v_c)
+    if gy is None:
+        gy_c.zero_()
+    else:
+        _chunk_into(gy_c, gy)
+    # G: dL/dh at the end of the chunk being processed, walking backwards from the last one.
+    G = starts.new_zeros(Bt, N, D)
+    if gh_last is not None:
+        G.copy_(gh_last.transpose(1, 2))
+    a.zero_()
+    gA_steps.zero_()
+    prefix, suffix = _prefix_rounds(hs, a_fwd), _suffix_rounds(gh, a[:, 1:])
+    start, a_head, a0, gh0, gh_end = (hs[:, 0], a_fwd[:, 0]), a[:, :L], a[:, 0], gh[:, 0], gh[:, -1]
+    hs_r, gh_r = hs.view(-1, N, D), gh.view(-1, N, D)
+    hs_rt, gh_rt = hs_r.transpose(1, 2), gh_r.transpose(1, 2)
+    slots = starts.unbind()
+    rows = lambda t, k: t.view(n, -1, 1, k).unbind()                     # noqa: E731  (Bt·L, 1, k) each
+    chunks = list(zip(dt_c[:, :, :, None].unbind(), v_c[:, :, :, None].unbind(), B_c[..., None].unbind(),
+                      C_c[..., None].unbind(), gy_c[:, :, :, None].unbind(), rows(v_c, D), rows(B_c, N),
+                      rows(gy_c, D), rows(gv_c, D), rows(gB_c, N), rows(gC_c, N), gdt_c.unbind()))
+    for k in reversed(range(n)):
+        dt_k, v_k, B_k, C_k, gy_k, v_r, B_r, gy_r, gv_r, gB_r, gC_r, gdt_k = chunks[k]
+        torch.mul(dt_k, At2, out=a_head).exp2_()
+        a_fwd.copy_(a_head)                                              # cheaper than exp2 again
+        _states(hs, start, prefix, slots[k], v_k, B_k)
+        # dL/dh_t = C_t gy_t + a_{t+1} dL/dh_{t+1}, entering with G at the chunk's last step.
+        torch.mul(C_k, gy_k, out=gh)
+        gh_end.add_(G)
+        _run(suffix)
+        torch.mul(a0, gh0, out=G)                                        # dL/dh at the chunk's start
+        torch.bmm(gy_r, hs_rt, out=gC_r)                                 # Σ_d h gy
+        torch.bmm(v_r, gh_rt, out=gB_r)                                  # Σ_d gh Δx
+        torch.bmm(B_r, gh_r, out=gv_r)                                   # Σ_n B gh
+        # dL/da_t for the log-decay a_t = Δ_t A: dL/dh_t ⊙ exp(a_t) h_{t-1} = dL/dh_t ⊙ (h_t - u_t).
+        # The states are not needed any more, so it overwrites them.
+        ga = hs.addcmul_(v_k, B_k, value=-1.0).mul_(gh)
+        torch.sum(torch.mul(ga, At, out=gh), 2, out=gdt_k)              # Σ_n dL/da ⊙ A
+        gA_steps.addcmul_(ga, dt_k)
+    gAt = gA_steps.sum((0, 1))                                           # (N, D)
+    gdt_c.addcmul_(gv_c, x_c)                                            # Δ also scales the input
+    gx_c = gv_c.mul_(dt_c)
+    grads = (*(_unchunked(t, T) for t in (gx_c, gdt_c)), gAt.t(), *(_unchunked(t, T) for t in (gB_c, gC_c)),
+             G.transpose(1, 2))
+    _POOL.give(flat)
+    return grads
 
 
 def _states(hs, start, prefix, h, v, B) -> None:
