@@ -24,11 +24,12 @@ class MambaInner(torch.autograd.Function):
     """silu(conv(x)) → x_proj → Δ, B, C → scan → (y + D x) ⊙ silu(z), for xz (B, T, 2·d_inner).
 
     Arguments: xz, conv weight (K, d_inner) and bias or None, x_proj's weight (R + 2N, d_inner),
-    dt_proj's weight (d_inner, R) and bias, A_log (d_inner, N), D (d_inner), chunk length or None (auto).
+    dt_proj's weight (d_inner, R) and bias, A_log (d_inner, N), D (d_inner), chunk length or None (auto),
+    and whether a backward pass will follow (the caller knows: inside forward, grad mode is always off).
     """
 
     @staticmethod
-    def forward(ctx, xz, conv_w, conv_b, x_proj_w, dt_w, dt_b, A_log, D, chunk_size):
+    def forward(ctx, xz, conv_w, conv_b, x_proj_w, dt_w, dt_b, A_log, D, chunk_size, training):
         d_inner, rank, n = D.shape[0], dt_w.shape[1], A_log.shape[1]
         batch, steps = xz.shape[:2]
         x, z = xz[..., :d_inner], xz[..., d_inner:]
@@ -39,7 +40,6 @@ class MambaInner(torch.autograd.Function):
         dt = F.softplus(dt_pre)
         A = -torch.exp(A_log)
         B, C = (dbc[:, rank + i * n:rank + (i + 1) * n].view(batch, steps, n) for i in range(2))
-        training = any(ctx.needs_input_grad)
         if chunk_size is None:
             chunk_size = auto_chunk_size(batch, d_inner, n, xz.device)
         y, _, kept = scan_forward(xc, dt, A, B, C, None, chunk_size, training)
@@ -77,4 +77,4 @@ class MambaInner(torch.autograd.Function):
         grad_pre = torch.ops.aten.silu_backward(grad_xc, pre)
         _, grad_conv_w, grad_conv_b = causal_conv_backward(grad_pre, xz[..., :d_inner], conv_w, ctx.has_conv_bias,
                                                            grad_x=grad_xz[..., :d_inner])
-        return (grad_xz, grad_conv_w, grad_conv_b, grad_x_proj_w, grad_dt_w, grad_dt_b, grad_A * A, grad_D, None)
+        return grad_xz, grad_conv_w, grad_conv_b, grad_x_proj_w, grad_dt_w, grad_dt_b, grad_A * A, grad_D, None, None

@@ -118,9 +118,10 @@ class MambaMixer(AttentionModule):
         # work between threads by batch rows (see lmlab_mamba.scan).
         xz = self.in_proj(u)                                                  # (B, T, 2 Di)
         if state is None and self._fusable(xz):
+            training = torch.is_grad_enabled() and (xz.requires_grad or any(p.requires_grad for p in self.parameters()))
             return self.out_proj(MambaInner.apply(
                 xz, self.conv1d.weight[:, 0].t(), self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                self.dt_proj.bias, self.A_log, self.D, self.chunk_size))
+                self.dt_proj.bias, self.A_log, self.D, self.chunk_size, training))
         x, z = xz.chunk(2, dim=-1)                                            # (B, T, Di) each
         x = self._conv_silu(x, state)                                         # (B, T, Di)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
