@@ -42,24 +42,25 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args.child[0] == "tuned", args.child[1], args.steps)
+    variants = args.variant or list(VARIANTS)
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):
-        for variant in args.variant or list(VARIANTS):
+        for variant in variants:
             for setting in ("default", "tuned"):
-                out = subprocess.run([sys.executable, __file__, "--child", setting, variant, "--steps", str(args.steps)],
-                                     check=True, capture_output=True, text=True).stdout
+                command = [sys.executable, __file__, "--child", setting, variant, "--steps", str(args.steps)]
+                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 results.setdefault((variant, setting), []).append(json.loads(out.splitlines()[-1]))
     if args.verbose:
         for key, runs in results.items():
             print(*key, " ".join(f"{r['ms']:.1f}" for r in runs))
     print(f"{args.rounds} processes per setting, {args.steps} steps each (after {args.steps // 2} warm-up)")
-    for variant in args.variant or list(VARIANTS):
+    for variant in variants:
         ms = {s: statistics.median(r["ms"] for r in results[variant, s]) for s in ("default", "tuned")}
         faults = {s: statistics.median(r["faults"] for r in results[variant, s]) for s in ("default", "tuned")}
         print(f"{variant:6s} default {ms['default']:7.2f} ms/step {faults['default']:7.0f} faults/step | tuned "
               f"{ms['tuned']:7.2f} ms/step {faults['tuned']:7.0f} faults/step | tuned / default = "
               f"{ms['tuned'] / ms['default']:.3f}")
-    print(f"tuned: {results[(args.variant or list(VARIANTS))[0], 'tuned'][0]['setting']}")
+    print(f"tuned: {results[variants[0], 'tuned'][0]['setting']}")
 
 
 if __name__ == "__main__":

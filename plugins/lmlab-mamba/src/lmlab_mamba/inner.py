@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lmlab_mamba.conv import causal_conv, causal_conv_backward
-from lmlab_mamba.scan import auto_chunk_size, scan_backward, scan_forward
+from lmlab_mamba.scan import scan_backward, scan_forward
 
 SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default, beyond which softplus(x) = x
 
@@ -39,9 +39,7 @@ class MambaInner(torch.autograd.Function):
         dt_pre = torch.addmm(dt_b, dbc[:, :rank], dt_w.t()).view_as(xc)
         dt = F.softplus(dt_pre)
         A = -torch.exp(A_log)
-        B, C = (dbc[:, rank + i * n:rank + (i + 1) * n].view(batch, steps, n) for i in range(2))
-        if chunk_size is None:
-            chunk_size = auto_chunk_size(batch, d_inner, n, xz.device)
+        B, C = _input_and_output_matrices(dbc, rank, n, batch, steps)
         y, _, kept = scan_forward(xc, dt, A, B, C, None, chunk_size, training)
         y.addcmul_(xc, D)                                                      # + D x
         gate = F.silu(z)
@@ -62,7 +60,7 @@ class MambaInner(torch.autograd.Function):
         grad_y = grad * gate
         grad_D = (grad_y * xc).sum((0, 1))
         # The scan, then the D skip, which also reads x.
-        B, C = (dbc[:, rank + i * n:rank + (i + 1) * n].view(batch, steps, n) for i in range(2))
+        B, C = _input_and_output_matrices(dbc, rank, n, batch, steps)
         grad_xc, grad_dt, grad_A, grad_B, grad_C, _ = scan_backward(xc, dt, A, B, C, ctx.kept, grad_y, None)
         grad_xc = grad_xc.contiguous()  # a view past the last chunk's padding unless L divides T
         grad_xc.addcmul_(grad_y, D)
@@ -78,3 +76,9 @@ class MambaInner(torch.autograd.Function):
         _, grad_conv_w, grad_conv_b = causal_conv_backward(grad_pre, xz[..., :d_inner], conv_w, ctx.has_conv_bias,
                                                            grad_x=grad_xz[..., :d_inner])
         return grad_xz, grad_conv_w, grad_conv_b, grad_x_proj_w, grad_dt_w, grad_dt_b, grad_A * A, grad_D, None, None
+
+
+def _input_and_output_matrices(dbc: torch.Tensor, rank: int, n: int, batch: int, steps: int):
+    """B and C (batch, steps, N) as views of x_proj's output (B·T, R + 2N), whose columns are Δ's low
+    rank, then B, then C."""
+    return dbc[:, rank:rank + n].view(batch, steps, n), dbc[:, rank + n:].view(batch, steps, n)

@@ -120,7 +120,7 @@ class MambaMixer(AttentionModule):
         if state is None and self._fusable(xz):
             training = torch.is_grad_enabled() and (xz.requires_grad or any(p.requires_grad for p in self.parameters()))
             return self.out_proj(MambaInner.apply(
-                xz, self.conv1d.weight[:, 0].t(), self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                xz, self._conv_taps(), self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                 self.dt_proj.bias, self.A_log, self.D, self.chunk_size, training))
         x, z = xz.chunk(2, dim=-1)                                            # (B, T, Di) each
         x = self._conv_silu(x, state)                                         # (B, T, Di)
@@ -152,10 +152,14 @@ class MambaMixer(AttentionModule):
                 and not torch.is_autocast_enabled(xz.device.type) and not torch.compiler.is_compiling()
                 and type(self.x_proj) is nn.Linear and type(self.dt_proj) is nn.Linear)
 
+    def _conv_taps(self) -> torch.Tensor:
+        """The convolution's weight (Di, 1, K) as (K, Di) taps, a view: its gradient reaches the weight."""
+        return self.conv1d.weight[:, 0].t()
+
     def _conv_silu(self, x: torch.Tensor, state: MambaState | None) -> torch.Tensor:
         """silu of the causal depthwise convolution over time, x (B, T, Di) → (B, T, Di):
         out_t = Σ_k w_k x_{t-K+1+k}, as K shifted multiply-adds (see :mod:`lmlab_mamba.conv`)."""
-        w = self.conv1d.weight[:, 0].t()                                      # (K, Di)
+        w = self._conv_taps()
         if state is None:
             return CausalConvSiLU.apply(x, w, self.conv1d.bias)
         T, K = x.shape[1], self.d_conv

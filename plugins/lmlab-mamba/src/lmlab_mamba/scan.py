@@ -82,8 +82,6 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     """
     if h0 is None:
         h0 = x.new_zeros(x.shape[0], A.shape[0], A.shape[1])
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(x.shape[0], A.shape[0], A.shape[1], x.device)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, dt, A, B, C, h0))
     with torch.autocast(x.device.type, enabled=False):  # mixed precision must not reach the scan
         return _ChunkedScan.apply(x, dt, A, B, C, h0, chunk_size, backward)
@@ -223,8 +221,9 @@ class ChunkStarts:
 
 
 def scan_forward(x, dt, A, B, C, h0, chunk_size, training) -> tuple[torch.Tensor, torch.Tensor, ChunkStarts | None]:
-    """y (Bt, T, D) and h_T (Bt, D, N) of the recurrence from h0 (None: zeros), and with ``training``
-    what :func:`scan_backward` needs of this call (else None). No autograd: the callers are autograd Functions.
+    """y (Bt, T, D) and h_T (Bt, D, N) of the recurrence from h0 (None: zeros) in chunks of
+    ``chunk_size`` (None: :func:`auto_chunk_size`), and with ``training`` what :func:`scan_backward`
+    needs of this call (else None). No autograd: the callers are autograd Functions.
 
     The (Bt, T, ·) inputs are copied once into chunk-major (n, Bt, L, ·) tensors, padded with zeros to
     whole chunks (Δ = 0 there: a decay of 1 and no input, so a padded step passes the state on
@@ -235,6 +234,8 @@ def scan_forward(x, dt, A, B, C, h0, chunk_size, training) -> tuple[torch.Tensor
     At2 = A.t().contiguous() * LOG2_E                                    # (N, D) A in base-2 units
     Bt, T, D = x.shape
     N = At2.shape[0]
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(Bt, D, N, x.device)
     L = max(1, min(chunk_size, T))
     n = -(-T // L)
     flat, (hs, a, dt_c, v_c, B_c, C_c, y_c) = _buffers(
