@@ -2,7 +2,8 @@
 
 The quickstart's baby GPT (experiments/shakespeare-char.toml: 4 layers, d_model 128, block 64,
 batch 12) with its dense ``mlp`` and with ``moe`` (4 experts, each as wide as the dense MLP:
-hidden = 4 x d_model) routing top-1 (Switch) and top-2 (GShard / Mixtral), capacity factor 1.25.
+hidden = 4 x d_model) routing top-1 (Switch) and top-2 (GShard / Mixtral), dropless (the default: no
+capacity limit).
 One step = forward, backward, gradient clipping and an AdamW step on random windows of the corpus. The models
 take turns in windows of ``--every`` steps so machine noise hits all alike; printed are the median
 time per step of each and the ratios moe / dense (target for top-2: <= 2.5).

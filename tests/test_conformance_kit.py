@@ -218,6 +218,28 @@ class MixingFFN(FFN):
         return MixingMLP(shape)
 
 
+class BatchNormMLP(FFNModule):
+    """An MLP whose outputs are batch-normalised over all the tokens of the batch (Ioffe and Szegedy
+    2015): position-wise in eval mode, with running statistics, but in training every output depends
+    on the later tokens' statistics."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.fc = nn.Linear(shape.d_model, shape.d_model)
+        self.norm = nn.BatchNorm1d(shape.d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        return self.norm(self.fc(x).view(B * T, C)).view(B, T, C)
+
+
+class BatchNormFFN(FFN):
+    name = "batchnorm"
+
+    def build(self, shape, layer):
+        return BatchNormMLP(shape)
+
+
 def test_a_position_scheme_that_leaks_the_future_fails_causality():
     found = failures(MeanPosition, skip=["compile"])
     assert "embed outputs up to position 0 changed when only inputs after 0 did" in found["causality"]
@@ -228,11 +250,20 @@ def test_a_position_scheme_that_leaks_the_future_fails_causality():
 
 def test_an_ffn_that_mixes_positions_fails_position_wise_independence():
     found = failures(MixingFFN, skip=["compile"])
-    assert set(found) == {"position_wise"}, found
+    assert set(found) == {"position_wise", "training_causality"}, found  # it mixes in both modes
     assert found["position_wise"].startswith("mixing: position_wise: changing the input at row 0, position 0 "
                                              "changed the output at row 0, position ")
-    with pytest.raises(ConformanceError, match="^mixing: position_wise: "):
+    with pytest.raises(ConformanceError, match="(?m)^mixing: position_wise: "):
         check_ffn(MixingFFN, skip=["compile"])
+
+
+def test_an_ffn_whose_training_outputs_see_later_tokens_fails_training_causality():
+    found = failures(BatchNormFFN, skip=["compile"])
+    assert set(found) == {"training_causality"}, found
+    assert found["training_causality"].startswith("batchnorm: training_causality: in training mode, outputs up to "
+                                                  "position 0 changed when only inputs after 0 did")
+    with pytest.raises(ConformanceError, match="^batchnorm: training_causality: "):
+        check_ffn(BatchNormFFN, skip=["compile"])
 
 
 # -- the kit's own surface --------------------------------------------------------------------------

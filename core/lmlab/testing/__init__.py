@@ -32,6 +32,7 @@ output_fp32/_bf16      yes        yes       yes  shapes, dtypes, finite; bf16 ne
 causality              yes        yes            inputs after t leave outputs ≤ t unchanged
 bidirectional          yes                       declared: with causal False, outputs see every input
 position_wise                               yes  tokens do not interact (eval mode)
+training_causality                          yes  training: inputs after t leave outputs ≤ t
 incremental_decoding   yes        yes            cached prefill/steps/chunks = full forward
 cache_reorder          yes                       ``state.reorder`` (beam search)
 gradients              yes        yes       yes  every parameter gets a finite, non-zero grad

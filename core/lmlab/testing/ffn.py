@@ -7,7 +7,10 @@ tokens to each of them and every expert's weights can receive a gradient.
 Position-wise independence is checked in eval mode. A mixture of experts with a capacity limit
 legitimately couples tokens in training (a token may be dropped because others filled its expert),
 but at inference it must not: cached decoding feeds one token at a time, so an output that depends on
-the other tokens of the batch would differ between generation and a full forward.
+the other tokens of the batch would differ between generation and a full forward. In training such
+coupling must still be causal: the loss at position t of a causal language model may see tokens up
+to t only, so an output at t that depends on later tokens (a capacity served in GShard's order, every
+first choice before any second one) leaks the future into training.
 """
 
 import torch
@@ -92,12 +95,36 @@ def position_wise(subject: FFNSubject) -> None:
                          "the batch", offset=t)
 
 
+def training_causality(subject: FFNSubject) -> None:
+    """In training mode, changing the inputs after position t (in every row) leaves the outputs at
+    positions up to t unchanged, for several t: tokens may interact in training (a capacity limit),
+    but only with tokens at the same or earlier positions. Both forwards run under one seed, so
+    dropout draws the same masks."""
+    module = subject.build(subject.seed).train()
+    if getattr(module, "skip", False):  # never run by the model (FFNModule.skip)
+        return
+    (x,) = subject.example(subject.seed + 1)
+    B, T, C = x.shape
+    with torch.no_grad():
+        with subject.seeded(subject.seed + 3):
+            y = module(x)
+        for t in (0, T // 2 - 1, T - 2):
+            changed = x.clone()
+            changed[:, t + 1:] = subject.randn(B, T - t - 1, C, seed=subject.seed + 10 + t)
+            with subject.seeded(subject.seed + 3):
+                moved = module(changed)
+            expect_close(moved[:, :t + 1], y[:, :t + 1], INDEPENDENT,
+                         f"in training mode, outputs up to position {t} changed when only inputs after {t} did",
+                         hint="does a decision shared by the batch (capacity, a normalisation) count later tokens?")
+
+
 #: name → check, in the order ``check_ffn`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
     "output_fp32": output_fp32,
     "output_bf16": output_bf16,
     "position_wise": position_wise,
+    "training_causality": training_causality,
     "gradients": generic.gradients,
     "determinism": generic.determinism,
     "state_dict": generic.state_dict,

@@ -36,29 +36,37 @@ def expert_mlp(moe, e: int, x: torch.Tensor) -> torch.Tensor:
     return h @ moe.w_out[e] + (moe.b_out[e, 0] if moe.b_out is not None else 0)
 
 
-def reference(moe, x: torch.Tensor, k: int, normalize: bool, capacity: int | None = None):
+def reference(moe, x: torch.Tensor, k: int, normalize: bool, capacity: int | None = None, order: str = "causal"):
     """One token at a time: softmax router, top-k, optional renormalisation, weighted sum of experts.
-    With a capacity, choices are served first choices first, in token order; the rest are dropped."""
-    tokens = x.reshape(-1, x.shape[-1])
-    N, E = tokens.shape[0], moe.n_experts
-    choices = []
-    for t in range(N):
-        probs = torch.softmax(tokens[t] @ moe.router.weight.T, dim=0)
-        top = sorted(range(E), key=lambda e: -probs[e].item())[:k]
-        gates = [probs[e] for e in top]
-        if normalize:
-            gates = [g / sum(gates) for g in gates]
-        choices.append(list(zip(top, gates)))
-    out, load, dropped = torch.zeros_like(tokens), [0] * E, []
-    for c in range(k):
-        for t in range(N):
-            e, g = choices[t][c]
-            if capacity is not None and load[e] >= capacity:
-                dropped.append((t, e))
-                continue
-            load[e] += 1
-            out[t] += g * expert_mlp(moe, e, tokens[t])
-    return out.view_as(x), dropped
+    With a capacity, choices are served in turn and those that find their expert full are dropped:
+    ``"causal"`` serves position by position (batch rows in order within a position), each token's
+    choices together, first choice first; ``"gshard"`` (the order the layer must not use) serves every
+    token's first choice in token order, then every second choice. Returns the output and the dropped
+    choices as (row, position, expert)."""
+    B, T, _ = x.shape
+    E = moe.n_experts
+    choices = {}
+    for b in range(B):
+        for t in range(T):
+            probs = torch.softmax(x[b, t] @ moe.router.weight.T, dim=0)
+            top = sorted(range(E), key=lambda e: -probs[e].item())[:k]
+            gates = [probs[e] for e in top]
+            if normalize:
+                gates = [g / sum(gates) for g in gates]
+            choices[b, t] = list(zip(top, gates))
+    if order == "causal":
+        turns = [(b, t, c) for t in range(T) for b in range(B) for c in range(k)]
+    else:
+        turns = [(b, t, c) for c in range(k) for b in range(B) for t in range(T)]
+    out, load, dropped = torch.zeros_like(x), [0] * E, []
+    for b, t, c in turns:
+        e, g = choices[b, t][c]
+        if capacity is not None and load[e] >= capacity:
+            dropped.append((b, t, e))
+            continue
+        load[e] += 1
+        out[b, t] += g * expert_mlp(moe, e, x[b, t])
+    return out, dropped
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
@@ -81,12 +89,46 @@ def test_capacity_drops_exactly_the_choices_beyond_each_experts_queue(top_k):
     capacity = math.ceil(0.75 * 20 * top_k / 4)
     expected, dropped = reference(moe, x, top_k, normalize=top_k > 1, capacity=capacity)
     assert len(dropped) >= 3
+    if top_k == 2:  # the queue order matters here: GShard's would drop other choices
+        assert reference(moe, x, top_k, normalize=True, capacity=capacity, order="gshard")[1] != dropped
     got = moe.train()(x)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert moe.stats["dropped_fraction"].item() == pytest.approx(len(dropped) / (20 * top_k))
     if top_k == 1:  # a dropped token's only expert is gone: the layer adds nothing to its residual
-        for t, _ in dropped:
-            assert not got.view(20, D)[t].any()
+        for b, t, _ in dropped:
+            assert not got[b, t].any()
+
+
+def test_capacity_future_tokens_never_change_earlier_outputs_in_training():
+    # The reported case: 4 experts, top-2, capacity factor 0.6; only positions >= 20 change.
+    moe = build(n_experts=4, top_k=2, capacity_factor=0.6).train()
+    x = torch.randn(2, 32, D)
+    changed = x.clone()
+    changed[:, 20:] = torch.randn(2, 12, D)
+    capacity = math.ceil(0.6 * 64 * 2 / 4)
+    expected, dropped = reference(moe, x, 2, normalize=True, capacity=capacity)
+    assert any(t < 20 for _, t, _ in dropped)  # capacity is binding before the changed positions
+    y, y_changed = moe(x), moe(changed)
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y_changed[:, :20], y[:, :20], rtol=0, atol=0)
+    assert not torch.allclose(y_changed[:, 20:], y[:, 20:])
+    # GShard's order (every first choice, then every second) lets the later tokens reach back.
+    gshard = [reference(moe, inputs, 2, normalize=True, capacity=capacity, order="gshard")[0][:, :20]
+              for inputs in (x, changed)]
+    assert (gshard[0] - gshard[1]).abs().max() > 1e-3
+
+
+def test_default_is_dropless_in_training_however_unbalanced_the_router():
+    moe = build(n_experts=4, top_k=2)
+    assert moe.capacity_factor is None
+    with torch.no_grad():
+        moe.router.weight[0] += 2.0  # send most tokens to expert 0
+    x = torch.randn(2, 10, D) + 0.5
+    expected, _ = reference(moe, x, 2, normalize=True)
+    torch.testing.assert_close(moe.train()(x), expected, rtol=1e-4, atol=1e-4)
+    assert moe.stats["dropped_fraction"].item() == 0.0
+    # Expert 0 got more choices than the former default capacity (factor 1.25) would have let it keep.
+    assert moe.stats["expert_fraction"][0].item() * 40 > math.ceil(1.25 * 40 / 4)
 
 
 def test_evaluation_never_drops():

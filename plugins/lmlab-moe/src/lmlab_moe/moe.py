@@ -9,19 +9,25 @@ Efficient Sparsity"); ``top_k = 2`` is GShard (Lepikhin et al. 2021, "GShard: Sc
 with Conditional Computation and Automatic Sharding") and Mixtral (Jiang et al. 2024, "Mixtral of
 Experts"). See ``router.py`` for routing and the auxiliary losses.
 
-Capacity (GShard, Switch): in training each expert processes at most
-``ceil(capacity_factor · tokens · top_k / n_experts)`` tokens of a batch, so every expert's work has a
-fixed size and fits one batched matmul. Routing choices beyond an expert's capacity are dropped: they
-contribute nothing and the residual connection carries the token past the layer. Priority follows
-GShard: every token's first choice, in token order, then every token's second choice, so a token
-loses its less probable expert first. Evaluation and generation never drop (capacity = the largest
-load): a token's output then depends on that token alone, not on what else is in the batch, and
-decoding with a KV cache reproduces the full forward.
+By default nothing is dropped ("dropless", as in MegaBlocks: Gale et al. 2023, "MegaBlocks:
+Efficient Sparse Training with Mixture-of-Experts"): every token reaches its top-k experts in training
+as in evaluation, and a token's output depends on that token alone, not on what else is in the batch,
+so decoding with a KV cache reproduces the full forward.
+
+Capacity (GShard, Switch), when ``capacity_factor`` is set: in training each expert processes at most
+``ceil(capacity_factor · tokens · top_k / n_experts)`` routing choices of a batch, so every expert's work
+has a bounded, fixed size. Choices beyond an expert's capacity are dropped: they contribute nothing and
+the residual connection carries the token past the layer. Priority is causal: earlier positions first,
+each token's k choices together (its first, then its second), batch rows in order within a position.
+Whether a choice is dropped then depends only on tokens at positions up to its own. GShard's order
+(every token's first choice, then every second choice) would let a token at position t lose its second
+expert because of tokens after t: in a causal language model, training outputs would see the future.
+Evaluation and generation never drop.
 
 Experts are computed together: their weights are stacked into (E, C, H) and (E, H, C) tensors, the
-tokens are gathered into an (E, capacity, C) buffer (empty slots hold zeros) and one ``torch.bmm`` per
-matrix runs all experts. Routing positions come from a cumulative sum over a one-hot of the choices;
-nothing loops over tokens or experts.
+tokens are gathered into an (E, capacity, C) buffer (capacity: the busiest expert's load, or the limit;
+empty slots hold zeros) and one ``torch.bmm`` per matrix runs all experts. Routing positions come from
+a cumulative sum over a one-hot of the choices; nothing loops over tokens or experts.
 """
 
 import math
@@ -66,10 +72,11 @@ class MixtureOfExperts(FFNModule):
         k = self.top_k if self.training or self.inference_top_k is None else self.inference_top_k
         route = self.router(tokens, k, self.normalize_weights)
 
-        # Routing choices in priority order: all first choices in token order, then all second ones.
-        expert = route.expert.t().reshape(-1)                                  # (kN,)
-        gate = route.gate.t().reshape(-1)                                      # (kN,)
-        token = torch.arange(N, device=x.device).repeat(k)                     # (kN,)
+        # Choices in capacity priority order (t, b, choice): a choice's place in its expert's queue
+        # counts only choices at positions up to its own, so a drop never depends on later tokens.
+        expert = route.expert.view(B, T, k).transpose(0, 1).reshape(-1)       # (kN,) in (t, b, choice) order
+        token = torch.arange(N, device=x.device).view(B, T, 1).expand(B, T, k)  # (B, T, k) token of each choice
+        token = token.transpose(0, 1).reshape(-1)                              # (kN,) in (t, b, choice) order
         one_hot = F.one_hot(expert, E)                                         # (kN, E)
         queue = one_hot.cumsum(dim=0)                                          # (kN, E) choices so far per expert
         position = queue.gather(1, expert[:, None]).squeeze(1) - 1             # (kN,) place in its expert's queue
@@ -87,15 +94,16 @@ class MixtureOfExperts(FFNModule):
 
         out = self._experts(buffer).reshape(E * capacity, C)                   # (E·cap, C)
         out = torch.cat((out, out.new_zeros(1, C)))                            # (E·cap + 1, C)
-        # Combine: each token's k choices sit at token, token + N, ... in the priority order.
-        weighted = out[slot] * gate[:, None].to(out.dtype)                     # (kN, C)
-        y = weighted.view(k, N, C).sum(dim=0)                                  # (N, C)
+        # Combine in token order: each token's k rows, weighted by its gates.
+        slot = slot.view(T, B, k).transpose(0, 1)                              # (B, T, k)
+        y = (out[slot] * route.gate.view(B, T, k, 1).to(out.dtype)).sum(dim=2)  # (B, T, C)
 
         self._record_losses(route, counts, keep)
-        return y.view(B, T, C)
+        return y
 
     def _capacity(self, n_tokens: int, k: int, counts: torch.Tensor) -> int:
-        """Rows per expert in the buffer: the capacity limit, or the busiest expert's load if smaller."""
+        """Rows per expert in the buffer: the capacity limit, or the busiest expert's load if smaller
+        (always when there is no limit: dropless)."""
         if self.training and self.capacity_factor is not None:
             limit = math.ceil(self.capacity_factor * n_tokens * k / self.n_experts)
             if counts.device.type != "cpu":
@@ -103,7 +111,7 @@ class MixtureOfExperts(FFNModule):
             # On the CPU reading the busiest load is free, and the slack a balanced router leaves
             # (25% of the buffer at capacity_factor 1.25) would be computed for nothing. Same output.
             return min(limit, int(counts.max()))
-        return int(counts.max())  # no limit: room for the busiest expert (one device sync)
+        return int(counts.max())  # no limit: room for the busiest expert (one device sync per layer)
 
     def _experts(self, h: torch.Tensor) -> torch.Tensor:
         """(E, cap, C) → (E, cap, C): every expert's MLP on its own rows, as two batched matmuls."""
@@ -149,8 +157,9 @@ class MixtureOfExpertsOptions(Options):
                          "the dense mlp (the mlp's hidden / top_k matches its active parameters)")
     activation: Literal["gelu", "swiglu"] = Field("gelu", help="expert MLP: GELU (GPT-2) or SwiGLU (Mixtral)")
     capacity_factor: float | None = Field(
-        1.25, ge=0, help="in training each expert takes at most ceil(factor · tokens · top_k / n_experts) "
-                         "routing choices, the rest are dropped; 0 or unset: no limit")
+        None, ge=0, help="in training each expert takes at most ceil(factor · tokens · top_k / n_experts) routing "
+                         "choices, earliest positions first, the rest are dropped; default (unset) or 0: no limit "
+                         "(dropless)")
     aux_loss_coef: float = Field(0.01, ge=0, help="weight of Switch's load-balancing loss")
     router_z_loss_coef: float = Field(0.0, ge=0, help="weight of ST-MoE's router z-loss (1e-3 in the paper)")
     inference_top_k: int | None = Field(None, ge=1, help="experts per token in evaluation and generation; "
@@ -162,7 +171,7 @@ class MixtureOfExpertsOptions(Options):
 
 
 class MixtureOfExpertsFeedForward(FFN):
-    """``moe``: top-k routed expert MLPs with capacity, load balancing and router z-loss."""
+    """``moe``: top-k routed expert MLPs, dropless or with a causal capacity, load balancing and router z-loss."""
 
     Options = MixtureOfExpertsOptions
     api = ">=1.1,<2"  # the train-batch-end hook's `log` argument
