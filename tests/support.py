@@ -28,3 +28,58 @@ def random_llama(**config):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """The real `python -m lmlab` started in a subprocess (one thread), stderr captured as text."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-m", "lmlab", *args], env=full_env, text=True, **popen)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 180, what: str = "the condition"):
+    """Poll ``condition()`` until it holds; fails when ``proc`` ends first or time runs out."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}: "
+                                 f"{proc.communicate()[1][-2000:] if proc.stderr else ''}")
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+def logged_steps(metrics: Path) -> list[int]:
+    """The steps of metrics.jsonl's complete training lines."""
+    import json
+
+    if not metrics.exists():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+            if line.endswith("}") and "train_loss" in line]
+
+
+def completed_run(manifest: Path, out: Path, *args: str) -> dict:
+    """Train ``manifest`` into ``out`` through the CLI (no closing sample); its summary.json."""
+    import json
+
+    result = run_cli("run", str(manifest), "--out", str(out), "--set", "train.sample_tokens=0", *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads((out / "default" / "summary.json").read_text())
+
+
+class StopAfter:
+    """A progress listener that interrupts the preparation at the n-th ``event``, like Ctrl-C."""
+
+    def __init__(self, event: str, n: int):
+        self.event, self.n = event, n
+
+    def __call__(self, event: str, info: dict) -> None:
+        if event == self.event:
+            self.n -= 1
+            if self.n == 0:
+                raise KeyboardInterrupt

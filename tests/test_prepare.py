@@ -25,7 +25,7 @@ from lmlab.prepare import pipeline
 from lmlab.prepare.shards import ShardedTokens
 from lmlab.train import tokens as token_cache
 from lmlab.train.batches import FixedWindows, RandomWindows
-from support import ROOT
+from support import ROOT, StopAfter
 
 ENCODINGS = Path(sysconfig.get_paths()["stdlib"]) / "encodings"
 needs_stdlib = pytest.mark.skipif(not ENCODINGS.is_dir(), reason="no standard library sources here")
@@ -106,19 +106,6 @@ def test_one_worker_or_two_give_byte_identical_shards(tmp_path):
     assert index["filters"]["minhash-dedup"]["documents_dropped"] > 0  # the cp* family
 
 
-class StopAfter:
-    """A progress listener that interrupts the preparation at the n-th ``event``, like Ctrl-C."""
-
-    def __init__(self, event: str, n: int):
-        self.event, self.n = event, n
-
-    def __call__(self, event: str, info: dict) -> None:
-        if event == self.event:
-            self.n -= 1
-            if self.n == 0:
-                raise KeyboardInterrupt
-
-
 @needs_stdlib
 @pytest.mark.parametrize("stage_event", ["part", "shard"])  # interrupted while filtering / tokenising
 def test_an_interrupted_prepare_resumes_to_byte_identical_shards(tmp_path, stage_event):
@@ -130,6 +117,8 @@ def test_an_interrupted_prepare_resumes_to_byte_identical_shards(tmp_path, stage
     with pytest.raises(KeyboardInterrupt):
         pipeline.prepare(variant, root=root, workers=1, shard_mb=0.1, listener=StopAfter(stage_event, 3))
     assert not (root / "tokens").exists() and (root / "partial" / reference.name / "state.json").is_file()
+    if stage_event == "part":  # the dedup filters' state is checkpointed as arrays, never pickled
+        assert [p.suffix for p in (root / "partial" / reference.name).glob("filters-*")] == [".npz"]
     events = []
     resumed = pipeline.prepare(variant, root=root, workers=1, listener=lambda e, i: events.append((e, i)))
     assert events[0][0] == "resume" and events[0][1]["stage"] == ("filter" if stage_event == "part" else "tokenize")

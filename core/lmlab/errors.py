@@ -1,4 +1,6 @@
-"""The one user-facing error type."""
+"""The one user-facing error type, and the one way to warn the user."""
+
+import sys
 
 
 class UserError(Exception):
@@ -12,3 +14,8 @@ class UserError(Exception):
     def __init__(self, message: str, key: str | None = None):
         self.key = key
         super().__init__(f"{key}: {message}" if key else message)
+
+
+def warn(message: str) -> None:
+    """One line on stderr that the user should read, whatever else is printed or hidden."""
+    print(f"lmlab: warning: {message}", file=sys.stderr, flush=True)

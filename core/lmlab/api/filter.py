@@ -21,8 +21,12 @@ class Filter(Plugin):
     single worker can. It sets ``corpus_level = True``: :meth:`signature` then runs in the workers on
     each document that reaches the filter, and :meth:`admit` in the main process on those signatures,
     once per document and in corpus order, returning False to drop the document. The instance that
-    admits keeps whatever state it needs, and is pickled at every checkpoint of the preparation (an
-    interrupted one resumes from that copy): keep its state picklable.
+    admits keeps whatever state it needs; :meth:`state_dict` hands that state to the preparation's
+    checkpoints and :meth:`load_state_dict` takes it back when an interrupted preparation resumes.
+    A checkpoint is never a pickle (a shared cache is writable by others, and unpickling runs
+    whatever code a planted file names): the state is NumPy arrays and JSON values only. A
+    corpus-level filter that does not implement them still works, but a preparation using it keeps
+    no checkpoint of its filtering: interrupted there, it filters again from the first document.
 
     :meth:`count` adds to counters reported beside the filter's documents and characters kept and
     dropped (``summary.json``'s ``data_filters``): which rule dropped a document, what was masked.
@@ -54,6 +58,22 @@ class Filter(Plugin):
         """Corpus-level filters: whether to keep the document with this signature, given every
         document admitted before it. Runs in the main process, in corpus order."""
         return True
+
+    def state_dict(self) -> dict | None:
+        """Corpus-level filters: what :meth:`admit` has learnt so far, called in the main process at
+        each checkpoint of the preparation. A dict (string keys) whose values are NumPy arrays (any
+        dtype but ``object``) or JSON values (str, int, float, bool, None, and lists and dicts of
+        those, arrays inside them too); a checkpoint stores it without pickling. Default: None, "this
+        filter cannot be checkpointed": the preparation then restarts its filtering from the first
+        document when interrupted."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Corpus-level filters: take back what :meth:`state_dict` returned, on a fresh instance,
+        before :meth:`admit` sees the documents after the checkpoint; afterwards ``admit`` decides as
+        the instance that saved it would have. Raise ``ValueError`` for a state that does not fit
+        (the preparation then starts over). Called only when :meth:`state_dict` returned a dict."""
+        raise NotImplementedError(f"{type(self).__name__} returns a state_dict but cannot load one")
 
     def count(self, what: str, n: int = 1) -> None:
         """Add ``n`` to the counter ``what`` of this filter's report."""

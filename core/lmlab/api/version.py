@@ -43,6 +43,10 @@ plugin whose range excludes this version. Bump the minor version when the API ga
 
 1.5: ``Tokenizer.fingerprint`` (default ""): the contents of files a tokenizer reads besides its options,
      hashed into the token-cache key.
+
+1.6: ``Filter.state_dict`` / ``Filter.load_state_dict``: a corpus-level filter's state as NumPy arrays
+     and JSON values, which the preparation's checkpoints store without pickling (the default None:
+     the filter cannot be checkpointed, and an interrupted preparation filters again from the start).
 """
 
-API_VERSION = "1.5"
+API_VERSION = "1.6"

@@ -27,7 +27,7 @@ def main(args) -> int:
         raise UserError("must be positive", key="--shard-mb")
     variants = manifest.load(args.manifest, args.overrides)
 
-    from lmlab.prepare import pipeline
+    from lmlab.prepare import entry, pipeline
 
     done: dict[str, list[str]] = {}
     for variant in variants:
@@ -36,7 +36,7 @@ def main(args) -> int:
             done[key].append(variant.name)
             continue
         done[key] = [variant.name]
-        cached = (pipeline.cache_root() / "tokens" / key / "index.json").is_file()
+        cached = entry.problem(pipeline.cache_root() / "tokens" / key) is None  # verified: prepare won't hash again
         folder = pipeline.prepare(variant, workers=args.workers, shard_mb=args.shard_mb, key=key)
         print(f"{variant.name}: {folder}{' (already prepared)' if cached else ''}")
     return 0

@@ -10,21 +10,25 @@ Three stages, each resumable, turn the data source's documents into the token sh
    workers computed (the MinHash-LSH split of Broder 1997 / Leskovec et al., *Mining of Massive
    Datasets* ch. 3). Kept documents are assigned to the train or validation split and spooled as
    UTF-8 text in parts of about ``shard_mb``. After each part the progress is checkpointed: the
-   state (``state.json``) and a pickle of the corpus-level filters and of the one document held back.
+   state (``state.json``), and the corpus-level filters' state (``Filter.state_dict``) with the one
+   document held back as NumPy arrays (:mod:`lmlab.prepare.checkpoint`: never a pickle).
 2. **fit** — the tokenizer learns its vocabulary from the training documents, streamed from the spool
    (``Tokenizer.fit_documents``): fitted once, before any worker tokenises.
 3. **tokenize** — each spooled part becomes a token shard (in worker processes when tokenising is slow
    enough to pay for starting them); each finished shard is recorded with the SHA-256 of its files.
 
-Then ``index.json`` is written, the spool deleted, and the folder renamed into place. The cache key
+Then ``index.json`` is written (with the SHA-256 of every shard file and tokenizer file), the spool
+deleted, and the folder renamed into place. An entry is verified against those checksums before it
+is used (:mod:`lmlab.prepare.entry`, once per process); a damaged one is rebuilt. The cache key
 hashes the data source (its fingerprint: file contents), the tokenizer and the filters with all their
 options and plugin versions, so every run that shares them reuses one copy; a build in progress lives in
 ``partial/<key>/`` under an exclusive lock, so concurrent runs (sweep jobs, DDP ranks) wait for one
 builder instead of racing. An interrupted build resumes: spooled parts and shards whose checksums
 verify are kept, the source is read again from the start but the documents already consumed are
 skipped, and the result is byte-identical to an uninterrupted build, because every task is a pure
-function of its input and results are taken in corpus order whatever process computed them. Bad
-input (a ``UserError``) deletes the partial build.
+function of its input and results are taken in corpus order whatever process computed them. A
+partial build that does not verify (a damaged ``state.json`` or checkpoint) starts over. Bad input
+(a ``UserError``) deletes the partial build.
 
 Splitting without knowing the corpus's length in advance: a single document is cut by characters
 (its last ``val_fraction``, as nanoGPT's shakespeare_char); otherwise the k-th kept document goes to
@@ -37,11 +41,13 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import lmlab
 from lmlab import discovery, pretrained
-from lmlab.errors import UserError
+from lmlab.errors import UserError, warn
+from lmlab.prepare import entry
 from lmlab.prepare.report import Progress
 from lmlab.prepare.stages import FORMAT, Build, Listener, filter_specs
 from lmlab.prepare.work import Workers
@@ -50,7 +56,13 @@ DEFAULT_SHARD_MB = 16.0
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("LMLAB_CACHE", Path.home() / ".cache" / "lmlab"))
+    if os.environ.get("LMLAB_CACHE"):
+        return Path(os.environ["LMLAB_CACHE"])
+    try:
+        return Path.home() / ".cache" / "lmlab"
+    except RuntimeError:  # no HOME and no user database entry
+        raise UserError("there is no home folder for the token cache; set the LMLAB_CACHE environment "
+                        "variable to a writable folder") from None
 
 
 def default_workers() -> int:
@@ -116,32 +128,54 @@ def prepare(variant, root: Path | None = None, workers: int | None = None, shard
         source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
         key = key or cache_key(variant, source)
         final = root / "tokens" / key
-        if (final / "index.json").is_file():
+        if entry.problem(final) is None:
             return final
         building = root / "partial"
-        building.mkdir(parents=True, exist_ok=True)
+        try:
+            building.mkdir(parents=True, exist_ok=True)
+            lock = open(building / f"{key}.lock", "a+")
+        except OSError as exc:
+            raise UserError(f"cannot write the token cache in {root} ({exc.strerror or exc}); choose another "
+                            "folder with the LMLAB_CACHE environment variable") from None
         listener = listener or Progress()
-        with _locked(building / f"{key}.lock", listener):
-            if not (final / "index.json").is_file():  # unless another process built it while we waited
+        with lock, _locked(lock, listener):
+            # Again, under the lock: another process may have built or rebuilt it while we waited.
+            problem = entry.problem(final)
+            if problem is not None:
+                if final.exists() or final.is_symlink():
+                    warn(f"the token cache entry {final} is damaged ({problem}); rebuilding it")
+                    _discard(final)
                 shard_bytes = int((shard_mb or DEFAULT_SHARD_MB) * 2**20)
-                Build(variant, source, key, final, building / key, workers, shard_bytes, listener, pool).run()
+                index = Build(variant, source, key, final, building / key, workers, shard_bytes, listener, pool).run()
+                entry.remember(final, index)
     return final
 
 
+def _discard(final: Path) -> None:
+    try:
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        else:
+            final.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot remove the damaged token cache entry {final} ({exc.strerror or exc}); remove "
+                        "it, or choose another folder with the LMLAB_CACHE environment variable") from None
+
+
 @contextlib.contextmanager
-def _locked(path: Path, listener: Listener):
+def _locked(f, listener: Listener):
+    """Hold an exclusive lock on the open file ``f`` (the entry's lock file) while the block runs."""
     try:
         import fcntl
     except ImportError:  # Windows: no advisory locks; concurrent builders may duplicate work
         yield
         return
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            listener("wait", {"lock": str(path)})
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        listener("wait", {"lock": f.name})
+        fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)

@@ -14,6 +14,8 @@ split form one virtual 1-D array (:class:`ShardedTokens`) that windows may cross
 """
 
 import hashlib
+import os
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +41,36 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def temporary(path: Path) -> Path:
+    """A name beside ``path`` that no other process or thread picks, for writing ``path`` atomically
+    (write there, then rename): two preparations writing at once never share a half-written file.
+    Not ``tempfile.mkstemp``, whose mode 0600 would hide a shared cache from its other users."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def files_sha256(folder: Path) -> dict[str, str]:
+    """Relative path (with ``/``) → SHA-256 of every file under ``folder``, sorted by path."""
+    return {path.relative_to(folder).as_posix(): sha256_file(path)
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def write_bytes(path: Path, data) -> None:
+    """Write ``data`` (bytes or a buffer) to ``path`` atomically."""
+    tmp = temporary(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_array(path: Path, array: np.ndarray) -> str:
     """Write ``array``'s raw bytes to ``path`` atomically; returns their SHA-256."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    data = np.ascontiguousarray(array)
-    with open(tmp, "wb") as f:
-        f.write(memoryview(data).cast("B"))
-    tmp.replace(path)
-    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def verify(directory: Path, shard: dict) -> bool:

@@ -4,7 +4,6 @@ checkpoints: filter and spool, fit the tokenizer, tokenise into shards; then the
 import itertools
 import json
 import os
-import pickle
 import shutil
 import time
 from fractions import Fraction
@@ -13,11 +12,12 @@ from typing import Callable, Iterator
 
 from lmlab import pretrained
 from lmlab.api import Record, UserError
-from lmlab.prepare import shards, spool
+from lmlab.errors import warn
+from lmlab.prepare import checkpoint, shards, spool
 from lmlab.prepare.report import merged, new_stats, public, record
 from lmlab.prepare.work import PluginSpec, TokenizeTask, Workers
 
-FORMAT = 2  # bump when the cache layout changes
+FORMAT = 3  # bump when the cache layout changes
 CHUNK_CHARS = 1 << 18  # documents per filtering task: about this many characters...
 CHUNK_DOCS = 256  # ...or this many documents
 POOL_WORTH_S = 3.0  # tokenising work, in seconds here, that justifies starting worker processes
@@ -49,15 +49,19 @@ class Build:
         self.p, self.q = fraction.numerator, fraction.denominator
         self.shard_bytes = shard_bytes
         self.state: dict = {}
-        # Corpus-level filters admit in this process; the instances are checkpointed with the state.
-        self.admitting = {j: spec.build() for j, spec in enumerate(self.filters) if spec.cls.corpus_level}
+        # Corpus-level filters admit in this process; their state_dict is checkpointed with the state.
+        self.admitting = self._corpus_filters()
         self.pending = None  # the last kept document, held back until we know whether it is the last
         self.parts = {split: spool.Part() for split in SPLITS}
         self.started = time.perf_counter()
 
+    def _corpus_filters(self) -> dict:
+        return {j: spec.build() for j, spec in enumerate(self.filters) if spec.cls.corpus_level}
+
     # -- the whole build ---------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self) -> dict:
+        """Build the entry; returns its index."""
         try:
             with self.pool or Workers(self.workers, self.filters) as pool:
                 if self.filters and not (self.partial / "tokenizer").is_dir():  # filtering to do
@@ -71,48 +75,56 @@ class Build:
                     self._fit()
                 if self.state["stage"] == "tokenize":
                     self._tokenize(pool)
-            self._finish()
+            return self._finish()
         except UserError:
             shutil.rmtree(self.partial, ignore_errors=True)  # nothing a later run could resume from
             raise
 
     def _resume_or_start(self) -> None:
-        path = self.partial / "state.json"
-        if path.is_file():
-            state = json.loads(path.read_text())
-            if state.get("format") == FORMAT and state.get("key") == self.key and self._spool_intact(state):
-                self.state = state
-                self.shard_bytes = state["shard_bytes"]
-                if state["stage"] == "filter" and state.get("blob"):
-                    with open(self.partial / state["blob"], "rb") as f:
-                        saved = pickle.load(f)
-                    self.admitting, self.pending = saved["admitting"], saved["pending"]
-                self.listener("resume", {"stage": state["stage"], "parts": len(state["parts"]),
-                                         "shards": sum(len(v) for v in state["shards"].values())})
+        try:
+            if self._resume():
                 return
-        shutil.rmtree(self.partial, ignore_errors=True)
+        except checkpoint.Unusable as exc:
+            warn(f"the interrupted preparation in {self.partial} cannot be resumed ({exc}); starting it over")
+            self.admitting, self.pending = self._corpus_filters(), None  # may hold part of a bad state
+        _remove(self.partial)
         self.spool.mkdir(parents=True)
         self.state = {
             "format": FORMAT, "key": self.key, "shard_bytes": self.shard_bytes, "stage": "filter",
             "consumed": 0, "input_bytes": 0, "kept": 0, "documents": {s: 0 for s in SPLITS},
-            "masked": False, "parts": [], "blob": None, "shards": {s: {} for s in SPLITS},
+            "masked": False, "parts": [], "checkpoint": None, "shards": {s: {} for s in SPLITS},
             "filters": [new_stats(spec.name) for spec in self.filters],
         }
         self._save_state()
 
-    def _spool_intact(self, state: dict) -> bool:
-        for part in state.get("parts", []):
+    def _resume(self) -> bool:
+        """Take up the partial build's state when there is one; raises ``checkpoint.Unusable``."""
+        if self.partial.is_symlink() or not self.partial.is_dir():
+            return False
+        state = checkpoint.read_state(self.partial / "state.json", FORMAT, self.key,
+                                      [spec.name for spec in self.filters], SPLITS)
+        if state is None:
+            return False
+        for part in state["parts"]:
             for split in SPLITS:
-                if split in part and not shards.verify(self.spool, {"name": shards.shard_name(split, part["index"]),
-                                                                     "files": part[split]["files"]}):
-                    return False
-        blob = state.get("blob")
-        return state.get("stage") != "filter" or not blob or (self.partial / blob).is_file()
+                name = shards.shard_name(split, part["index"])
+                if split in part and not shards.verify(self.spool, {"name": name, "files": part[split]["files"]}):
+                    raise checkpoint.Unusable(f"the spooled text {name} does not match its checksums")
+        if state["stage"] == "tokenize" and shards.files_sha256(self.partial / "tokenizer") != state["tokenizer"]:
+            raise checkpoint.Unusable("the fitted tokenizer's files do not match their checksums")
+        if state["stage"] == "filter" and state["checkpoint"]:
+            self.pending = checkpoint.load(self.partial, state["checkpoint"], self._named(self.admitting))
+        self.state = state
+        self.shard_bytes = state["shard_bytes"]
+        self.listener("resume", {"stage": state["stage"], "parts": len(state["parts"]),
+                                 "shards": sum(len(v) for v in state["shards"].values())})
+        return True
+
+    def _named(self, filters: dict) -> dict:
+        return {j: (self.filters[j].name, f) for j, f in filters.items()}
 
     def _save_state(self) -> None:
-        tmp = self.partial / ".state.json.tmp"
-        tmp.write_text(json.dumps(self.state, indent=1))
-        tmp.replace(self.partial / "state.json")
+        shards.write_bytes(self.partial / "state.json", json.dumps(self.state, indent=1).encode())
 
     # -- 1. filter ---------------------------------------------------------------------------------
 
@@ -194,16 +206,17 @@ class Build:
 
     def _checkpoint(self) -> None:
         st = self.state
-        old, st["blob"] = st["blob"], None
+        old, st["checkpoint"] = st["checkpoint"], None
         if st["stage"] == "filter":
-            st["blob"] = f"filters-{len(st['parts']):05d}.pkl"
-            tmp = self.partial / f".{st['blob']}.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump({"admitting": self.admitting, "pending": self.pending}, f, pickle.HIGHEST_PROTOCOL)
-            tmp.replace(self.partial / st["blob"])
+            name = f"filters-{len(st['parts']):05d}.npz"
+            st["checkpoint"] = checkpoint.save(self.partial, name, self._named(self.admitting), self.pending)
+            if st["checkpoint"] is None:
+                # A corpus-level filter without a state_dict: state.json stays as it was before the
+                # first document, so an interrupted build filters again from the start.
+                return
         self._save_state()
-        if old and old != st["blob"]:
-            (self.partial / old).unlink(missing_ok=True)
+        if old and (st["checkpoint"] is None or old["file"] != st["checkpoint"]["file"]):
+            (self.partial / old["file"]).unlink(missing_ok=True)
 
     def _end_of_stream(self) -> None:
         st = self.state
@@ -243,9 +256,9 @@ class Build:
     def _fit(self) -> None:
         self.listener("fit", {})
         tokenizer = self.tokenizer.build()
-        scratch, saved = self.partial / "scratch", self.partial / "tokenizer"
-        for folder in (scratch, saved):
-            shutil.rmtree(folder, ignore_errors=True)
+        saved = self.partial / "tokenizer"
+        _remove(saved)
+        scratch = shards.temporary(self.partial / "scratch")
         scratch.mkdir()
         init_dir = pretrained.tokenizer_dir(self.variant)
         if init_dir is not None:
@@ -253,15 +266,15 @@ class Build:
             tokenizer.load(init_dir)
         else:
             tokenizer.fit_documents(self._documents("train"), scratch)
-        building = self.partial / ".tokenizer.tmp"
-        shutil.rmtree(building, ignore_errors=True)
+        building = shards.temporary(saved)
         building.mkdir()
         tokenizer.save(building)
         building.rename(saved)
         shutil.rmtree(scratch, ignore_errors=True)
         st = self.state
         st.update(vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                  dtype=shards.token_dtype(tokenizer.vocab_size).name, stage="tokenize")
+                  dtype=shards.token_dtype(tokenizer.vocab_size).name, tokenizer=shards.files_sha256(saved),
+                  stage="tokenize")
         self._save_state()
 
     def _documents(self, split: str) -> Iterator[str]:
@@ -340,17 +353,27 @@ class Build:
             "documents": st["documents"], "tokens": tokens, "input_bytes": st["input_bytes"],
             "source": st["source"], "filters": {s["name"]: public(s) for s in st["filters"]},
             "shards": {split: [entry for entry in listed[split] if entry["tokens"]] for split in SPLITS},
+            "tokenizer": st["tokenizer"],  # relative path → SHA-256 of each file of tokenizer/
         }
-        (self.partial / "index.json").write_text(json.dumps(index, indent=1))
+        shards.write_bytes(self.partial / "index.json", json.dumps(index, indent=1).encode())
         # Only what the index names stays: not the spool, the state, checkpoints of the filters, nor
         # files a killed build left half-written or unreferenced.
         keep = {"index.json", "tokenizer"} | {f"{entry['name']}.{suffix}" for split in SPLITS
                                               for entry in index["shards"][split] for suffix in entry["files"]}
         for path in self.partial.iterdir():
             if path.name not in keep:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if self.final.exists():  # a folder without index.json: never complete, never used
-            shutil.rmtree(self.final)
+                _remove(path)
+        # What is there is incomplete or damaged (the caller checked, under the builders' lock).
+        _remove(self.final)
         self.final.parent.mkdir(parents=True, exist_ok=True)
         os.rename(self.partial, self.final)
         self.listener("done", {"index": index, "directory": str(self.final), "seconds": time.perf_counter() - self.started})
+        return index
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or folder; a symbolic link itself, never what it points to."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)

@@ -7,14 +7,13 @@ that shares them re-uses one copy; a variant that changes only the model or the 
 re-tokenises.
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from lmlab.api import TokenSplit
-from lmlab.prepare import pipeline, shards
+from lmlab.prepare import entry, pipeline, shards
 
 
 @dataclass
@@ -61,7 +60,14 @@ def prepare(variant, root: Path | None = None, workers: int | None = None) -> To
 
 
 def open_prepared(variant, directory: Path) -> TokenData:
-    index = json.loads((directory / "index.json").read_text())
+    """The cache entry at ``directory`` (``<cache>/tokens/<key>``, as :func:`pipeline.prepare` returns
+    it), verified against its checksums first (once per process); a damaged entry is rebuilt."""
+    try:
+        index = entry.index(directory)
+    except entry.Damaged:
+        # prepare checks again under the builders' lock, says what is wrong, and rebuilds
+        directory = pipeline.prepare(variant, root=directory.parent.parent, key=directory.name)
+        index = entry.index(directory)
     tokenizer = variant.instantiate("tokenizer")
     tokenizer.load(directory / "tokenizer")
     arrays = {split: shards.open_split(directory, index["shards"][split], "bin", index["dtype"])

@@ -1,6 +1,8 @@
 """exact-dedup and minhash-dedup keep the first of each group of (near-)duplicates and every distinct
-document, on planted duplicates and on the standard library's real ones (encodings/cp*.py)."""
+document, on planted duplicates and on the standard library's real ones (encodings/cp*.py), and decide
+the same after their state went through a checkpoint (arrays, no pickles)."""
 
+import io
 import pickle
 import sysconfig
 from pathlib import Path
@@ -70,7 +72,62 @@ def test_minhash_keeps_distinct_documents():
     assert kept(MinHashDedup(), docs) == list(range(200))
 
 
-def test_minhash_state_survives_pickling_for_resumed_preparations():
+def stored(state: dict) -> dict:
+    """``state`` as a checkpoint gives it back: each array through np.save / np.load without pickles."""
+    out = {}
+    for name, array in state.items():
+        buffer = io.BytesIO()
+        np.save(buffer, array, allow_pickle=False)
+        buffer.seek(0)
+        out[name] = np.load(buffer, allow_pickle=False)
+    return out
+
+
+def test_exact_dedup_decides_the_same_after_its_state_is_saved_and_loaded():
+    docs = ["a", "b", "c", "a b", "b", "d", "a", "c ", "e", "a  b"]
+    original = ExactDedup()
+    assert kept(original, docs[:4]) == [0, 1, 2, 3]
+    state = original.state_dict()
+    assert state["seen"].dtype == np.uint8 and state["seen"].shape == (4, 16)
+    restored = ExactDedup()
+    restored.load_state_dict(stored(state))
+    rest = docs[4:]
+    assert kept(restored, rest) == kept(original, rest) == [1, 4]  # "d" and "e"; the others were seen
+
+
+def test_minhash_decides_the_same_after_its_state_is_saved_and_loaded():
+    originals = random_documents(20, seed=5)
+    docs = [" ".join(d) for d in originals[:10]]
+    rng = np.random.default_rng(6)
+    later = []
+    for d in originals:  # near-copies of documents before and after the checkpoint, and the rest
+        start = int(rng.integers(0, len(d) - 20))
+        later.append(" ".join(d[:start] + [f"new{j}" for j in range(20)] + d[start + 20:]))
+    later += [" ".join(d) for d in originals[10:]]
+    original = MinHashDedup()
+    assert kept(original, docs) == list(range(10))
+    state = original.state_dict()
+    assert state["signatures"].dtype == np.uint32 and state["signatures"].shape == (10, 128)
+    restored = MinHashDedup()
+    restored.load_state_dict(stored(state))
+    decisions = kept(original, later)
+    assert kept(restored, later) == decisions
+    # the near-copies of the first ten go; those of the next ten stay, and their originals go
+    assert decisions == list(range(10, 20))
+
+
+@pytest.mark.parametrize("cls, state", [
+    (ExactDedup, {"seen": np.zeros((2, 8), np.uint8)}),
+    (MinHashDedup, {"signatures": np.zeros((2, 7), np.uint32)}),
+    (MinHashDedup, {"signatures": np.zeros((2, 128), np.int64)}),
+])
+def test_a_state_of_the_wrong_shape_is_refused_with_a_value_error(cls, state):
+    with pytest.raises(ValueError):
+        cls().load_state_dict(state)
+
+
+def test_minhash_state_survives_pickling_for_cores_before_api_1_6():
+    # Those checkpoint the instance itself; the plugin's API range still admits them.
     docs = [" ".join(d) for d in random_documents(10, seed=5)]
     f = MinHashDedup()
     kept(f, docs[:5])

@@ -20,7 +20,8 @@ Workers compute each document's MinHash (CRC-32 of each distinct shingle, permut
 LSH index in corpus order: a document with an indexed candidate whose estimated similarity reaches
 ``threshold`` is dropped (the first of a group is kept; banding also proposes some pairs below the
 threshold, hence the check), otherwise it is indexed. The index holds every kept document's
-signature, ``num_perm`` × 4 bytes each.
+signature, ``num_perm`` × 4 bytes each; a checkpoint of the preparation holds those signatures as
+one (n, num_perm) uint32 array, and the index is rebuilt from them when it resumes.
 """
 
 import zlib
@@ -45,7 +46,9 @@ class MinHashDedup(Filter):
     """``minhash-dedup``: drops documents whose shingles overlap an earlier document's by ``threshold``."""
 
     Options = MinHashDedupOptions
-    api = ">=1.3,<2"  # lmlab.api.Filter
+    # lmlab.api.Filter. The state methods of 1.6 are only called by a core that has them; an older one
+    # checkpoints the instance as it always did (__getstate__).
+    api = ">=1.3,<2"
     corpus_level = True
 
     def __init__(self, options: MinHashDedupOptions | None = None):
@@ -80,9 +83,30 @@ class MinHashDedup(Filter):
             if np.mean(self.signatures[key] == values) >= self.options.threshold:
                 self.count("near_duplicates")
                 return False
+        self._index(values, minhash)
+        return True
+
+    def _index(self, values: np.ndarray, minhash: LeanMinHash) -> None:
         self.lsh.insert(len(self.signatures), minhash, check_duplication=False)
         self.signatures.append(values)
-        return True
+
+    def state_dict(self) -> dict:
+        num_perm = self.options.num_perm
+        signatures = np.stack(self.signatures) if self.signatures else np.zeros((0, num_perm), "<u4")
+        return {"signatures": signatures}  # (n, num_perm) uint32, in the order they were indexed
+
+    def load_state_dict(self, state: dict) -> None:
+        signatures = state.get("signatures")
+        num_perm = self.options.num_perm
+        if not isinstance(signatures, np.ndarray) or signatures.dtype != np.dtype("<u4") \
+                or signatures.ndim != 2 or signatures.shape[1] != num_perm:
+            raise ValueError(f"minhash-dedup: 'signatures' must be an (n, {num_perm}) uint32 array")
+        if self.signatures:
+            raise ValueError("minhash-dedup: load_state_dict needs a fresh instance")
+        # Inserted in the same order under the same keys: the index, and so every later query,
+        # is the one the saving instance had.
+        for values in signatures:
+            self._index(values, LeanMinHash(seed=self.options.seed, hashvalues=values, scheme="affine32"))
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
