@@ -66,3 +66,25 @@ def tiny_manifest(tmp_path, corpus_slice):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A completed 6-step tiny run folder, trained once per session; copy it (``run_copy``) to change it."""
+    from support import run_cli
+
+    root = tmp_path_factory.mktemp("trained")
+    (root / "tiny.txt").write_text(CORPUS.read_text()[:60_000])
+    (root / "tiny.toml").write_text(tiny_toml("tiny.txt", steps=6))
+    done = run_cli("run", str(root / "tiny.toml"), "--out", str(root / "runs"),
+                   env={"LMLAB_CACHE": str(root / "cache"), "WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root / "runs" / "default"
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path) -> Path:
+    """A private copy of :func:`trained_run`'s folder."""
+    import shutil
+
+    return Path(shutil.copytree(trained_run, tmp_path / "default"))

@@ -298,3 +298,13 @@ def test_plugin_class_basics_are_checked_with_a_message_naming_the_plugin():
     check_plugin_class(Unconstructible, options={"width": 3})
     with pytest.raises(ConformanceError, match=r"^tiny \(n_kv_heads=2\): plugin_class: options .* are refused"):
         check_attention(TinyAttention, {"n_kv_heads": 2})
+
+
+def test_a_parallel_check_fails_when_fewer_processes_train_than_were_to(tmp_path):
+    from lmlab.testing import check_parallel_matches_single
+
+    # `single` trains on one process: with one replica its losses equal the reference's exactly, so
+    # only the count of processes that took part can tell it from a working two-process layout.
+    with pytest.raises(AssertionError, match="2 processes were to train, 1 took part"):
+        check_parallel_matches_single('use = "single"\naccelerator = "cpu"', tmp_path, replicas=1, processes=2,
+                                      steps=4)

@@ -2,6 +2,7 @@
 without breaking the ones that work. Fake distributions are laid on PYTHONPATH as dist-info folders,
 exactly as pip would install them."""
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -106,6 +107,20 @@ def test_a_name_declared_by_two_distributions_is_refused_naming_both(site, tiny_
     result = cli(site, "check", str(tiny_manifest('[attention]\nuse = "gqa"\n')), "-q")
     assert result.returncode == 2
     assert "lmlab-attention" in result.stderr and "lmlab-rival" in result.stderr
+
+
+def test_a_plugin_that_calls_sys_exit_when_imported_is_contained_like_any_broken_plugin(site, tiny_manifest):
+    fake_dist(site, "lmlab-exiting", "lmlab_exiting", "import sys\nsys.exit(3)\n",
+              {"lmlab.ffn": {"exits": "lmlab_exiting:Thing"}})
+    checked = cli(site, "check", str(tiny_manifest('[ffn]\nuse = "exits"\n')), "-q")
+    assert checked.returncode == 2, checked.stderr
+    assert checked.stderr.startswith("lmlab: error: ffn.use: plugin 'exits' from lmlab-exiting 0.3 failed to load")
+    assert "SystemExit: 3" in checked.stderr and "Traceback" not in checked.stderr
+    schema = cli(site, "schema")
+    assert schema.returncode == 0, schema.stderr
+    assert "left out of the schema" in schema.stderr and "'exits'" in schema.stderr
+    assert json.loads(schema.stdout)["properties"]["ffn"]  # every other plugin is still there
+    assert cli(site, "check", str(tiny_manifest()), "-q").returncode == 0  # not named: never imported
 
 
 def test_plugins_of_one_slot(site):

@@ -4,6 +4,7 @@ plugin's layout and what was measured on the model built on fake tensors."""
 import os
 import subprocess
 import sys
+from importlib.metadata import entry_points
 
 import pytest
 import torch
@@ -313,6 +314,7 @@ def test_plan_plans_every_variant_of_a_sweep(plan_manifest, capsys):
     (["--device-mem", "0GB"], "--device-mem"),
     (["--devices", "0"], "--devices"),
     (["--set", "parallel.use=no-such-strategy"], "parallel.use"),
+    (["--set", "model.d_model=1000000000", "--set", "model.n_heads=1"], "model.d_model"),  # over 2^63 bytes
 ])
 def test_bad_input_is_one_line_naming_the_option(plan_manifest, capsys, args, key):
     assert main(["plan", plan_manifest(), *args]) == 2
@@ -380,3 +382,22 @@ def test_the_fsdp_plugin_shards_everything_and_gathers_units(plan_manifest, resh
     assert (plan.device.gathered < single.device.params) == reshard
     ops = [(c.op, c.of) for c, _ in plan.device.comm]
     assert ops == [("all-gather", "parameters"), ("reduce-scatter", "gradients")]
+
+
+_BUCKETS = "reduce_bucket_size = 20_000_000\nallgather_bucket_size = 20_000_000"  # smaller than DeepSpeed's defaults
+
+
+@pytest.mark.parametrize("parallel", [
+    'use = "single"\naccelerator = "cpu"',
+    'use = "fsdp"\ndevices = 2\naccelerator = "cpu"',
+    f'use = "deepspeed"\ndevices = 2\naccelerator = "cpu"\nstage = 3\n{_BUCKETS}',
+], ids=["single", "fsdp", "deepspeed-zero3"])
+def test_the_planned_peak_is_within_20_percent_of_what_a_small_run_measures(parallel, tmp_path):
+    from lmlab.testing import check_plan_matches_measured
+
+    plugin = parallel.split('"')[1]
+    if not entry_points(group="lmlab.parallel", name=plugin):
+        pytest.skip(f"the {plugin} plugin is not installed")
+    # 12.7 M parameters (0.2 GB of fp32 AdamW model states), a micro-batch of 4 × 256 tokens.
+    measured = check_plan_matches_measured(parallel, tmp_path, tolerance=0.2)
+    assert measured.devices == (1 if plugin == "single" else 2)

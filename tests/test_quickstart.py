@@ -1,7 +1,7 @@
 """The README's quickstart reaches nanoGPT's quality: 2000 steps of the baby GPT on tinyshakespeare,
 validation loss over the whole validation split at most 1.91 (nanoGPT's own code: 1.898 here).
 
-About 4 minutes on two cores, so opt-in: `pytest -m slow` (CI runs the fast suite)."""
+About 4 minutes on two cores: marked slow (CI runs it; `-m "not slow"` leaves it out of a quick loop)."""
 
 import json
 

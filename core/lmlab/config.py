@@ -10,7 +10,9 @@ from lmlab.api import Field, Options
 
 
 class ModelOptions(Options):
-    n_layers: int = Field(4, gt=0, help="number of transformer blocks")
+    # An upper bound far above any model trained (hundreds of layers), so a typo fails at once
+    # instead of building billions of modules.
+    n_layers: int = Field(4, gt=0, le=10_000, help="number of transformer blocks")
     d_model: int = Field(128, gt=0, help="width of the residual stream")
     n_heads: int = Field(4, gt=0, help="attention heads (query heads for grouped-query attention)")
     block_size: int = Field(64, gt=0, help="training context length in tokens")

@@ -117,7 +117,9 @@ def _import(info: PluginInfo, key: str):
             on_load_failure_callback=lambda _mgr, _ep, exc: failures.append(exc),
             on_missing_entrypoints_callback=lambda names: None)
         return manager.driver
-    except Exception as exc:  # stevedore reports a failed import as "no match"; show the real cause
+    # stevedore reports a failed import as "no match": show the real cause. SystemExit too: a plugin
+    # module that calls sys.exit() when imported is broken like any other, not a reason to stop.
+    except (Exception, SystemExit) as exc:
         cause = failures[0] if failures else exc
         raise UserError(f"plugin {info.name!r} from {info.distribution} {info.version} failed to load "
                         f"({info.target}): {type(cause).__name__}: {cause}", key=key) from cause

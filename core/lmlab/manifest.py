@@ -7,6 +7,7 @@ against the core's tables and the options of the plugins it names, and every err
 
 import copy
 import itertools
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ LINKED = "linked"  # the [sweep] axis whose entries each set several keys togeth
 CORE_TABLE_NAMES = ("model", "train", "init")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
+MAX_VARIANTS = 10_000  # beyond this a grid is a mistake, and expanding it would exhaust memory
+NAME_MAX = 255  # bytes in a folder name on Linux and macOS file systems
 
 
 def seedless(variant_name: str) -> str:
@@ -70,6 +73,10 @@ def read_toml(path: Path) -> dict:
         raise UserError("is a folder, not a manifest file", key=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"malformed TOML: {exc}", key=str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"is not a TOML manifest: not UTF-8 text (byte {exc.start})", key=str(path)) from None
+    except OSError as exc:
+        raise UserError(f"cannot be read: {exc.strerror}", key=str(path)) from None
 
 
 def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True) -> list[Variant]:
@@ -185,6 +192,11 @@ def _expand(merged: dict, sweep: dict):
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise UserError("must be a non-empty list of integers", key="sweep.seeds")
+    size = math.prod(len(values) for values in axes.values()) * len(seeds or [None])
+    if size > MAX_VARIANTS:
+        shape = " × ".join(str(len(v)) for v in (*axes.values(), *([seeds] if seeds else [])))
+        raise UserError(f"{shape} = {size:,} variants; a sweep holds at most {MAX_VARIANTS:,} (split it into "
+                        "several manifests, or sample the grid)", key="sweep")
     grid = list(itertools.product(*axes.values())) or [()]
     for point in grid:
         for seed in seeds or [None]:
@@ -207,7 +219,11 @@ def _expand(merged: dict, sweep: dict):
                 manifest["seed"] = seed
                 parts.append(f"seed={seed}")
             manifest["_sweep"] = settings
-            yield (",".join(parts) or "default"), manifest
+            name = ",".join(parts) or "default"
+            if len(name.encode()) > NAME_MAX:  # the variant's folder could not be created
+                raise UserError(f"the variant name {name[:60]}... is {len(name.encode())} bytes long, more than a "
+                                f"folder name may be ({NAME_MAX}); sweep over shorter values", key="sweep")
+            yield name, manifest
 
 
 def _check_axis_key(key: str, where: str) -> None:

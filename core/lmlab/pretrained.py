@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmlab.checkpoint import problem as checkpoint_problem
 from lmlab.errors import UserError
 
 #: The tables an init decides.
@@ -65,6 +66,7 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         run = path.parent.parent
         if path.suffix != ".ckpt" or path.parent.name != "checkpoints" or not (run / "manifest.toml").is_file():
             raise refuse("is a file, but not a checkpoint of a run folder (<run>/checkpoints/<name>.ckpt)")
+        _check_readable(path, refuse)
         return Source(path, RUN, run, (path,), _run_tokenizer(run, refuse))
     if not path.is_dir():
         raise refuse("no such run folder, checkpoint or Hugging Face folder")
@@ -72,9 +74,12 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         found = [path / "checkpoints" / name for name in
                  (("best.ckpt", "last.ckpt") if checkpoint == "best" else ("last.ckpt",))]
         found = [p for p in found if p.is_file()]
+        if len(found) > 1 and checkpoint_problem(found[0], deep=False):  # a damaged best: the last, as a run would
+            found = found[1:]
         if not found:
             raise refuse(f"the run holds no checkpoints/{checkpoint}.ckpt"
                          f"{' or last.ckpt' if checkpoint == 'best' else ''} (it never reached one)")
+        _check_readable(found[0], refuse)
         return Source(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
     if (path / "config.json").is_file():
         from lmlab.interop import llama
@@ -94,6 +99,13 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         raise refuse(f"holds the runs of a sweep; name one of them ({', '.join(runs[:3])}"
                      f"{', ...' if len(runs) > 3 else ''})")
     raise refuse("is neither a run folder (manifest.toml) nor a Hugging Face folder (config.json)")
+
+
+def _check_readable(checkpoint: Path, refuse) -> None:
+    """A cheap look (the archive's directory, not every checksum: this runs in ``lmlab check``)."""
+    why = checkpoint_problem(checkpoint, deep=False)
+    if why is not None:
+        raise refuse(f"{checkpoint.name} is unreadable: {why}")
 
 
 def _run_tokenizer(run: Path, refuse) -> Path:

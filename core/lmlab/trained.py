@@ -21,6 +21,7 @@ class TrainedRun:
     peft: object | None  # the applied peft plugin, or None
     step: int
     shape: object
+    checkpoint: Path  # the file the weights came from (best.ckpt, else last.ckpt)
 
 
 def load_run(run_dir: Path, overrides: list[str] = (), slots: tuple[str, ...] = ()) -> TrainedRun:
@@ -34,14 +35,32 @@ def load_run(run_dir: Path, overrides: list[str] = (), slots: tuple[str, ...] = 
     if not manifest_path.is_file():
         raise UserError("is not a run folder (no manifest.toml)", key=str(run_dir))
     (variant,) = manifest.load(manifest_path, list(overrides), resolve_init=False)
-    tokenizer = variant.instantiate("tokenizer")
-    tokenizer.load(Path(run_dir) / "tokenizer")
+    tokenizer = load_tokenizer(variant, Path(run_dir))
     plugins = {slot: variant.instantiate(slot) for slot in ("position", "attention", "ffn", *slots)}
     shape = build.model_shape(variant, tokenizer.vocab_size)
     model = build.build_model(variant, shape, plugins)
-    step, peft = adapters.load_run_weights(model, variant, Path(run_dir), best_or_last(Path(run_dir)))
+    checkpoint = best_or_last(Path(run_dir))
+    step, peft = adapters.load_run_weights(model, variant, Path(run_dir), checkpoint)
     model.eval()
-    return TrainedRun(variant, model, tokenizer, plugins, peft, step, shape)
+    return TrainedRun(variant, model, tokenizer, plugins, peft, step, shape, checkpoint)
+
+
+def load_tokenizer(variant, run_dir: Path):
+    """The fitted tokenizer a run saved in ``tokenizer/`` when it started; a UserError naming the folder
+    when it is missing or cannot be read."""
+    folder = run_dir / "tokenizer"
+    if not folder.is_dir():
+        raise UserError("is missing: a run writes its fitted tokenizer there when it starts (was the folder "
+                        "copied without it?)", key=str(folder))
+    tokenizer = variant.instantiate("tokenizer")
+    try:
+        tokenizer.load(folder)
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot be read by the {variant.manifest['tokenizer']['use']} tokenizer "
+                        f"({type(exc).__name__}: {exc})", key=str(folder)) from None
+    return tokenizer
 
 
 def refuse_bidirectional(variant) -> None:

@@ -44,8 +44,9 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, switched: set,
         raise UserError("required: a name of letters, digits, '.', '_' or '-' (it names the run folder)",
                         key="name")
     seed = manifest.get("seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise UserError(f"must be a non-negative integer, got {seed!r}", key="seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        # numpy's and Lightning's seeding take 32 bits
+        raise UserError(f"must be an integer from 0 to {2**32 - 1}, got {seed!r}", key="seed")
     if not isinstance(manifest.get("description", ""), str):
         raise UserError("must be a string", key="description")
 

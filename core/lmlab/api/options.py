@@ -25,7 +25,8 @@ def Field(default: Any = ..., *, help: str = "", **constraints: Any) -> Any:
 class Options(BaseModel):
     """Base class of every plugin's options (and of the core's ``[model]`` and ``[train]`` tables)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan: an infinite or NaN learning rate (or any other number) is a typo, never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

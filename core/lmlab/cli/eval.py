@@ -5,7 +5,6 @@ prompts are formatted by the same template as in training; see :mod:`lmlab.evalu
 """
 
 import json
-import os
 from pathlib import Path
 
 from lmlab.errors import UserError
@@ -48,11 +47,10 @@ def main(args) -> int:
     answers = answer_all(run.model, run.tokenizer, records, stop=args.stop)
     score = exact_match(answers)
     if args.out is not None:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        with open(tmp, "w") as f:
-            for a in answers:
-                f.write(json.dumps({"prompt": a.prompt, "reference": a.reference, "answer": a.answer,
-                                    "correct": a.correct}) + "\n")
-        os.replace(tmp, args.out)
+        from lmlab.train.rundir import atomic_write_bytes
+
+        lines = (json.dumps({"prompt": a.prompt, "reference": a.reference, "answer": a.answer,
+                             "correct": a.correct}) + "\n" for a in answers)
+        atomic_write_bytes(args.out, "".join(lines).encode())
     print(f"exact match {score:.4f} ({sum(a.correct for a in answers)}/{len(answers)}) on {args.data}")
     return 0

@@ -1,13 +1,15 @@
 """Entry point: parses the verb and hands over to its module.
 
 Kept free of heavy imports (torch, lightning, pydantic): ``lmlab plugins`` must answer at once.
-Exit status: 0 success, 2 bad input (a UserError, one line, no traceback), 1 anything else.
+Exit status: 0 success, 2 bad input (a UserError, one line, no traceback), 1 anything else; 130
+after Ctrl-C and 143 after SIGTERM (a run resumes when the command is run again).
 """
 
 import argparse
 import importlib
 import sys
 
+from lmlab import signals
 from lmlab.errors import UserError
 
 VERBS = {
@@ -49,14 +51,23 @@ def _module(verb: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals.install()
     try:
         args = build_parser().parse_args(argv)
         return _module(args.verb).main(args) or 0
     except UserError as exc:
-        print(f"lmlab: error: {exc}", file=sys.stderr)
+        print(f"lmlab: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("lmlab: interrupted", file=sys.stderr)
+        print("lmlab: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    except signals.Terminated:
+        print("lmlab: terminated (SIGTERM)", file=sys.stderr)
+        return signals.EXIT_STATUS
     except BrokenPipeError:
         return 0
+
+
+def _one_line(message: str) -> str:
+    # A value quoted from the user's input (a file name, a TOML string) may hold line breaks.
+    return " ".join(message.split("\n"))

@@ -31,7 +31,6 @@ def main(args) -> int:
     import torch
 
     from lmlab import manifest
-    from lmlab.checkpoint import best_or_last
     from lmlab.train import build
     from lmlab.trained import load_run
     from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
@@ -51,7 +50,7 @@ def main(args) -> int:
     # The plain model's entry names, from a copy on the meta device: names only, no memory.
     with torch.device("meta"):
         plain_keys = set(build.build_model(variant, shape, run.plugins).state_dict())
-    checkpoint = best_or_last(run_dir)
+    checkpoint = run.checkpoint
     if plugin is None:
         raise UserError(f"its peft plugin {variant.manifest['peft']['use']!r} added no adapter: the checkpoint "
                         "already holds the whole model", key=str(run_dir))

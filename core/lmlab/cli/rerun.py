@@ -2,6 +2,7 @@
 says where the environment differs from the one the run recorded (plugin versions, lmlab's git
 revision, torch, Lightning, Python, device), then how far the new result is from the old."""
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -45,11 +46,14 @@ def main(args) -> int:
     if args.overrides:
         say(f"warning: changed from the recorded manifest: {', '.join(args.overrides)}")
 
-    (item,) = sweep.plan([variant], out)
-    if item.action == "skip":
-        say(f"{item.run_dir} already holds a completed rerun")
-    elif _run_here([item], say):
-        return 1
+    sweep.check_out(out)
+    with contextlib.ExitStack() as held:
+        sweep.claim([out / variant.name], held)
+        (item,) = sweep.plan([variant], out)
+        if item.action == "skip":
+            say(f"{item.run_dir} already holds a completed rerun")
+        elif _run_here([item], say):
+            return 1
     _report(run_dir, item.run_dir)
     return 0
 

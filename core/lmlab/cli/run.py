@@ -4,12 +4,14 @@ Running it again continues the sweep (completed variants are skipped, interrupte
 variant that fails is recorded as failed, with its error, and the others still run.
 """
 
-import os
+import contextlib
 import sys
 from pathlib import Path
 
 from lmlab import manifest
-from lmlab.errors import UserError
+from lmlab.errors import UserError, warn
+from lmlab.train import sweep
+from lmlab.train.lock import describe
 
 
 def add_arguments(parser) -> None:
@@ -36,41 +38,54 @@ def main(args) -> int:
         raise UserError("--overwrite and --resume contradict each other", key="--overwrite")
     variants = manifest.load(args.manifest, args.overrides)
     out = args.out or Path("runs") / variants[0].manifest["name"]
-    main_process = _is_main_process()
+    main_process = sweep.is_main_process()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if main_process else (lambda text: None)
     selected = _select(variants, args.only)
+    sweep.check_out(out)
+    with contextlib.ExitStack() as held:
+        locks = {}
+        if main_process:
+            # Every variant's folder is claimed before it is even looked at, and held until the end:
+            # a second live run into any of them is refused here, and what the plan reads cannot
+            # change under it.
+            locks = sweep.claim([out / v.name for v in selected], held)
+            for lock in locks.values():
+                if lock.took_over:
+                    say(f"note: {lock.run_dir}: taking over the lock of a run that is no longer alive "
+                        f"({describe(lock.took_over)})")
+        # Other ranks of a distributed run re-run this command after the main process has planned and
+        # started writing: they must not delete anything, and they follow the same plan.
+        planned = sweep.plan(selected, out, overwrite=args.overwrite and main_process)
+        todo = [item for item in planned if item.action != "skip"]
+        if main_process:
+            if not args.only:
+                sweep.write_index(out, args.manifest, args.overrides, variants)
+            if args.overwrite:
+                for item in planned:
+                    sweep.clear(item.run_dir)
+        for note in dict.fromkeys(n for item in planned for n in item.variant.notes):
+            say(f"note: {note}")
+        for item in planned:
+            if item.action == "skip":
+                say(f"[{item.variant.name}] already completed; skipped")
 
-    from lmlab.train import sweep
-
-    # Other ranks of a distributed run re-run this command after the main process has planned and
-    # started writing: they must not delete anything, and they follow the same plan.
-    planned = sweep.plan(selected, out, overwrite=args.overwrite and main_process)
-    if main_process:
-        if not args.only:
-            sweep.write_index(out, args.manifest, args.overrides, variants)
-        if args.overwrite:
-            for item in planned:
-                sweep.clear(item.run_dir)
-    for note in dict.fromkeys(n for item in planned for n in item.variant.notes):
-        say(f"note: {note}")
-    todo = []
-    for item in planned:
-        if item.action == "skip":
-            say(f"[{item.variant.name}] already completed; skipped")
+        if args.jobs > 1 and len(todo) > 1:
+            base = ["run", str(args.manifest), "--out", str(out), *(f"--set={o}" for o in args.overrides)]
+            results = sweep.run_parallel(todo, args.jobs, base, say, {item.variant.name: locks[item.run_dir]
+                                                                       for item in todo if item.run_dir in locks})
+            failed = [item for item in todo if (results.get(item.variant.name) or {}).get("status") != "completed"]
         else:
-            todo.append(item)
-
-    if args.jobs > 1 and len(todo) > 1:
-        base = ["run", str(args.manifest), "--out", str(out), *(f"--set={o}" for o in args.overrides)]
-        results = sweep.run_parallel(todo, args.jobs, base, say)
-        failed = sum(1 for s in results.values() if not s or s.get("status") != "completed")
-    else:
-        failed = _run_here(todo, say)
+            failed = _run_here(todo, say)
     if main_process:
         _closing_note(variants[0], [item.run_dir for item in planned], say)
         if failed:
-            say(f"{failed} of {len(planned)} variant(s) did not complete; their error is in summary.json and "
-                "error.log of their folder. Running the same command again retries them.")
+            recorded = [item for item in failed if (item.run_dir / "summary.json").is_file()]
+            where = ("; the error of each is in summary.json (and the traceback in error.log) of its folder"
+                     if len(recorded) == len(failed) else
+                     f" ({', '.join(item.variant.name for item in failed if item not in recorded)} never started, "
+                     "so no folder records it)")
+            say(f"{len(failed)} of {len(planned)} variant(s) did not complete{where}. Running the same command "
+                "again retries them.")
     return 1 if failed else 0
 
 
@@ -87,44 +102,55 @@ def _select(variants: list, only: list[str]) -> list:
     return [by_name[name] for name in dict.fromkeys(only)]
 
 
-def _run_here(todo: list, say) -> int:
-    """Train the variants one after another in this process; returns how many did not complete."""
-    from lmlab.sampling import generate_text
-    from lmlab.train import sweep
+def _run_here(todo: list, say) -> list:
+    """Train the variants one after another in this process; returns those that did not complete."""
     from lmlab.train.runner import run_variant
 
-    failed = 0
+    failed = []
     for i, item in enumerate(todo, 1):
         variant, run_dir = item.variant, item.run_dir
         say(f"[{i}/{len(todo)}] {variant.name} → {run_dir}" + {"resume": " (resuming)",
-            "restart": " (starting over: the earlier attempt left no checkpoint)"}.get(item.action, ""))
-        if item.action == "restart" and _is_main_process():
+            "restart": f" (starting over: {item.reason})"}.get(item.action, ""))
+        if item.action == "restart" and sweep.is_main_process():
             sweep.clear(run_dir)
         try:
             result = run_variant(variant, run_dir, resume=item.action == "resume")
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:  # recorded in the variant's summary.json and error.log by the runner
-            failed += 1
-            say(f"[{variant.name}] failed: {type(exc).__name__}: {exc}")
-            if isinstance(exc, UserError) and len(todo) == 1:
+        except UserError as exc:
+            if len(todo) == 1:
                 raise  # one variant and bad input: the plain exit-2 message
+            failed.append(item)
+            say(f"[{variant.name}] refused: {exc}")
+            continue
+        except Exception as exc:  # recorded in the variant's summary.json and error.log by the runner
+            failed.append(item)
+            say(f"[{variant.name}] failed: {type(exc).__name__}: {exc}")
             continue
         s = result.summary
         if not result.is_main:
             continue
         if s["status"] != "completed":
-            failed += 1
+            failed.append(item)
             continue
         print(f"[{variant.name}] val_loss {s['val_loss']:.4f} (ppl {s['val_ppl']:.2f}) | "
               f"{s['tokens_per_s'] or 0:,.0f} tokens/s | {s['wall_s']:.0f}s | {s['params']:,} params", flush=True)
-        cfg = variant.manifest["train"]
-        if cfg["sample_tokens"] and result.plugins["objective"].causal:  # a bidirectional model cannot generate
-            text = generate_text(result.module.model, result.tokens.tokenizer, result.plugins["decoding"],
-                                 cfg["sample_prompt"], cfg["sample_tokens"], seed=variant.manifest["seed"])
-            print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---",
-                  flush=True)
+        _closing_sample(variant, result)
     return failed
+
+
+def _closing_sample(variant, result) -> None:
+    """A few tokens from the trained model; a failure here is reported and never fails the run."""
+    from lmlab.sampling import generate_text
+
+    cfg = variant.manifest["train"]
+    if not cfg["sample_tokens"] or not result.plugins["objective"].causal:  # a bidirectional model cannot generate
+        return
+    try:
+        text = generate_text(result.module.model, result.tokens.tokenizer, result.plugins["decoding"],
+                             cfg["sample_prompt"], cfg["sample_tokens"], seed=variant.manifest["seed"])
+    except Exception as exc:
+        warn(f"[{variant.name}] the closing sample failed ({type(exc).__name__}: {exc}); the run itself completed")
+        return
+    print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---", flush=True)
 
 
 def _closing_note(variant, run_dirs: list[Path], say) -> None:
@@ -132,8 +158,3 @@ def _closing_note(variant, run_dirs: list[Path], say) -> None:
     note = variant.instantiate("tracker").closing_note(run_dirs)
     if note:
         say(note)
-
-
-def _is_main_process() -> bool:
-    """False in the worker processes of a distributed launch (Lightning, torchrun, SLURM)."""
-    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))

@@ -28,6 +28,8 @@ def main(args) -> int:
     if out is None:
         sys.stdout.write(text)
         return 0
-    out.write_text(text, encoding="utf-8")
+    from lmlab.train.rundir import atomic_write_bytes
+
+    atomic_write_bytes(out, text.encode("utf-8"))
     print(f"wrote {out}", file=sys.stderr)
     return 0

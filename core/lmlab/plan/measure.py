@@ -222,12 +222,22 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
         finally:
             torch.set_default_dtype(default)
 
-    with mode:
-        layout = plugins["parallel"].memory_layout(build_model(), world_size, precision)
-        if not isinstance(layout, MemoryLayout):
-            raise TypeError(f"parallel plugin {variant.plugins['parallel'].name!r}: memory_layout returned "
-                            f"{type(layout).__name__}, not a MemoryLayout")
-        facts = measure_model(build_model, plugins, shape, train, layout, precision)
+    try:
+        with mode:
+            layout = plugins["parallel"].memory_layout(build_model(), world_size, precision)
+            if not isinstance(layout, MemoryLayout):
+                raise TypeError(f"parallel plugin {variant.plugins['parallel'].name!r}: memory_layout returned "
+                                f"{type(layout).__name__}, not a MemoryLayout")
+            facts = measure_model(build_model, plugins, shape, train, layout, precision)
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        # A tensor of more than 2^63 bytes: no machine holds it, so it is a typo in the shape.
+        sizes = {key: shape_value for key in ("d_model", "vocab_size", "block_size", "n_layers", "n_heads")
+                 if isinstance(shape_value := getattr(shape, key), int)}
+        key = max(sizes, key=sizes.get)
+        raise UserError(f"{sizes[key]:,} makes tensors too large to exist ({str(exc).splitlines()[0]})",
+                        key=f"model.{key}") from None
     return VariantPlan(variant.name, shape, facts, estimate(facts, layout, precision, train["grad_accum"]),
                        variant.plugins["parallel"].name, train, variant.plugins["optimizer"].name)
 

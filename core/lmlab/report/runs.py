@@ -1,12 +1,11 @@
 """The runs a comparison reads: lmlab's own run folders, or the same fetched from the W&B API."""
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmlab.errors import UserError
 from lmlab.manifest import seedless
-from lmlab.train.rundir import read_metrics
+from lmlab.train.rundir import load_json_object, load_summary, read_metrics
 
 
 @dataclass
@@ -37,20 +36,13 @@ def from_folder(runs_dir: Path) -> RunSet:
         raise UserError("no such folder", key=str(runs_dir))
     runs = []
     for path in sorted(runs_dir.glob("*/summary.json")):
-        try:
-            summary = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            summary = {"status": "unreadable", "error": "summary.json is not valid JSON"}
+        summary = load_summary(path.parent, "move the variant's folder away, or train it again")
         runs.append(Run(path.parent.name, summary, read_metrics(path.parent / "metrics.jsonl")))
     if not runs:
         raise UserError("holds no runs (no <variant>/summary.json below it)", key=str(runs_dir))
-    order = []
-    index = runs_dir / "sweep.json"
-    if index.is_file():
-        try:
-            order = list(json.loads(index.read_text()).get("groups", []))
-        except json.JSONDecodeError:
-            pass
+    index = load_json_object(runs_dir / "sweep.json", "sweep index", "delete it (it is written again by lmlab run)")
+    groups = (index or {}).get("groups", [])
+    order = [g for g in groups if isinstance(g, str)] if isinstance(groups, list) else []
     return RunSet(str(runs_dir), runs, order)
 
 

@@ -58,6 +58,11 @@ the plugin on several CPU processes, and requires the same loss at every step an
     def test_my_strategy_matches_one_device(tmp_path):
         check_parallel_matches_single('use = "my-strategy"\ndevices = 2\naccelerator = "cpu"', tmp_path)
 
+It also requires that as many processes took part as the plugin was to start. Its memory layout
+(``Parallel.memory_layout``, what ``lmlab plan`` reports) is checked by
+:func:`check_plan_matches_measured`: the planned peak per device within 20 % of the peak measured
+while a small model trains under the plugin (:mod:`lmlab.testing.memory`).
+
 Peft plugins: :func:`check_peft` applies the plugin to tiny models of installed attention and ffn
 plugins (:func:`tiny_model`) and requires that the adapted model starts as the base, that only the
 adapter trains, that the adapter round-trips and, for a plugin that merges, that merging is exact
@@ -72,6 +77,7 @@ from collections.abc import Iterable
 from lmlab.testing import attention, ffn, position
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
 from lmlab.testing.generic import verify_class
+from lmlab.testing.memory import check_plan_matches_measured
 from lmlab.testing.parallel import check_parallel_matches_single
 from lmlab.testing.peft import check_peft, tiny_model
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition, reference_model
@@ -147,7 +153,8 @@ def _slot(slot: str):
 
 __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
-    "check_attention", "check_ffn", "check_names", "check_parallel_matches_single", "check_plugin",
+    "check_attention", "check_ffn", "check_names", "check_parallel_matches_single", "check_plan_matches_measured",
+    "check_plugin",
     "check_plugin_class", "check_position",
     "check_peft", "iter_checks", "reference_model", "tiny_model",
 ]

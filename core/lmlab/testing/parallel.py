@@ -80,6 +80,9 @@ def check_parallel_matches_single(parallel_table: str, workdir: Path, corpus: Pa
         result = subprocess.run([sys.executable, "-m", "lmlab", "run", str(manifest), "--out", str(out)],
                                 capture_output=True, text=True, env=env, timeout=timeout)
         assert result.returncode == 0, f"{manifest.name} failed:\n{result.stderr[-4000:]}"
+    # Losses that match would prove nothing if the plugin quietly trained on one process.
+    took_part = json.loads((workdir / "parallel" / "default" / "summary.json").read_text()).get("processes")
+    assert took_part == processes, f"{processes} processes were to train, {took_part} took part"
     expected = loss_trajectory(workdir / "single" / "default")
     actual = loss_trajectory(workdir / "parallel" / "default")
     assert len(expected) == len(actual) == steps, (len(expected), len(actual))

@@ -135,9 +135,9 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
     """Load a trained run's weights into ``model``, just built from the run's manifest: the whole
     state of an ordinary checkpoint, or for a PEFT run the base weights, the plugin applied again and
     its adapter. Returns the checkpoint's step and the applied peft plugin (None without one)."""
-    from lmlab.checkpoint import state_of
+    from lmlab.checkpoint import load, state_of
 
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    checkpoint = load(ckpt_path)
     step = int(checkpoint.get("global_step", 0))
     info = checkpoint.get("lmlab_peft")
     if info is None:

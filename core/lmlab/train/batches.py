@@ -1,10 +1,11 @@
 """Token windows (and padded documents) for training (random) and validation (fixed).
 
-A training batch is a pure function of (seed, micro-step): the *global* batch of all data-parallel
-replicas is drawn at once and each replica takes its slice. A resumed run therefore sees exactly the
-batches the interrupted one would have, and a run on N data-parallel replicas with batch_size B sees
-the same data, in the same order, as a single device with batch_size N·B: the two are comparable
-step by step (the parallel strategies' tests rely on it).
+A training batch is a pure function of (seed, optimizer step): the *global* batch of a step (every
+micro-batch of every data-parallel replica) is drawn at once, and each micro-batch of each replica
+takes its slice. A resumed run therefore sees exactly the batches the interrupted one would have,
+and batch_size B with grad_accum k on N data-parallel replicas sees the same data, in the same order,
+as a single device with batch_size k·N·B and no accumulation: the runs are comparable step by step
+(the parallel strategies' and accumulation's equivalence tests rely on it).
 
 Most objectives (``causal-lm``) take plain (B, T+1) tensors of windows. An objective that overrides
 ``Objective.make_batch_from`` gets :class:`lmlab.api.Windows` instead: the same windows (or, with
@@ -34,10 +35,12 @@ def _labels(labels, positions: np.ndarray) -> torch.Tensor | None:
 
 
 class EndlessBatches(IterableDataset):
-    """Batches ``batch(start)``, ``batch(start + 1)``, …: each a pure function of (seed, index), so a
-    resumed run starts at its step and every data-parallel replica takes its rows of the global batch."""
+    """Micro-batches ``batch(start)``, ``batch(start + 1)``, …: each a pure function of (seed, index), so
+    a resumed run starts at its micro-step and every micro-batch of every data-parallel replica takes
+    its rows of its optimizer step's global batch (:meth:`slot`)."""
 
     start: int = 0
+    accum: int = 1  # micro-batches per optimizer step
 
     def batch(self, index: int):
         raise NotImplementedError
@@ -48,9 +51,18 @@ class EndlessBatches(IterableDataset):
             yield self.batch(index)
             index += 1
 
+    def slot(self, index: int) -> tuple[int, int, int]:
+        """(optimizer step, first row within that step's global batch, rows of the global batch) of
+        micro-batch ``index`` of this replica: micro-batch j of replica r holds rows (j·N + r)·B to
+        (j·N + r + 1)·B of the k·N·B a single device would draw for the step in one batch."""
+        step, micro = divmod(index, self.accum)
+        total = self.batch_size * self.replicas * self.accum
+        return step, (micro * self.replicas + self.replica) * self.batch_size, total
+
     def _windows(self, tokens: torch.Tensor, index: int, **fields) -> Windows:
-        return Windows(tokens, seed=stream_seed(self.seed, TRAIN_DRAWS, index), first_row=self.replica * self.batch_size,
-                       total_rows=self.batch_size * self.replicas, **fields)
+        step, first, total = self.slot(index)
+        return Windows(tokens, seed=stream_seed(self.seed, TRAIN_DRAWS, step), first_row=first, total_rows=total,
+                       **fields)
 
 
 class RandomWindows(EndlessBatches):
@@ -61,18 +73,20 @@ class RandomWindows(EndlessBatches):
     """
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
-                 replica: int = 0, replicas: int = 1, start: int = 0, rich: bool = False, labels=None):
+                 replica: int = 0, replicas: int = 1, start: int = 0, rich: bool = False, labels=None,
+                 accum: int = 1):
         if len(tokens) <= block_size + 1:
             raise ValueError(f"the training split has {len(tokens)} tokens; block_size {block_size} needs more")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
-        self.seed, self.replica, self.replicas, self.start = seed, replica, replicas, start
+        self.seed, self.replica, self.replicas, self.start, self.accum = seed, replica, replicas, start, accum
         self.rich, self.labels = rich, labels
         self._offsets = np.arange(block_size + 1)
 
     def batch(self, index: int):
-        rng = np.random.default_rng([self.seed, 0, index])
-        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size * self.replicas)
-        mine = starts[self.replica * self.batch_size:(self.replica + 1) * self.batch_size]
+        step, first, total = self.slot(index)
+        rng = np.random.default_rng([self.seed, 0, step])
+        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=total)
+        mine = starts[first:first + self.batch_size]
         positions = mine[:, None] + self._offsets  # (B, T+1)
         tokens = torch.from_numpy(self.tokens[positions].astype(np.int64))
         if not self.rich:
@@ -168,13 +182,14 @@ class RandomDocuments(EndlessBatches):
     """
 
     def __init__(self, tokens, document_starts: np.ndarray, block_size: int, batch_size: int, seed: int,
-                 replica: int = 0, replicas: int = 1, start: int = 0, labels=None, pad_id: int = 0):
+                 replica: int = 0, replicas: int = 1, start: int = 0, labels=None, pad_id: int = 0,
+                 accum: int = 1):
         self.tokens = tokens
         self.starts, self.ends = document_spans(tokens, document_starts)
         if len(self.starts) == 0:
             raise ValueError("the training split has no documents")
         self.length, self.batch_size, self.seed = block_size + 1, batch_size, seed
-        self.replica, self.replicas, self.start = replica, replicas, start
+        self.replica, self.replicas, self.start, self.accum = replica, replicas, start, accum
         self.labels, self.pad_id = labels, pad_id
         self._orders: dict[int, np.ndarray] = {}
 
@@ -186,9 +201,9 @@ class RandomDocuments(EndlessBatches):
         return self._orders[epoch]
 
     def documents(self, index: int) -> np.ndarray:
-        """(B,) indices of this replica's documents in batch ``index``."""
-        total = self.batch_size * self.replicas
-        samples = index * total + self.replica * self.batch_size + np.arange(self.batch_size)
+        """(B,) indices of this replica's documents in micro-batch ``index``."""
+        step, first, total = self.slot(index)
+        samples = step * total + first + np.arange(self.batch_size)
         epochs, within = np.divmod(samples, len(self.starts))
         out = np.empty(self.batch_size, dtype=np.int64)
         for epoch in np.unique(epochs):

@@ -50,3 +50,34 @@ def optimizer_state_bytes(optimizers) -> int:
     """The tensors the optimizers keep per parameter (Adam's moments, step counters)."""
     return sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
                for v in s.values() if torch.is_tensor(v))
+
+
+def reset_peak() -> None:
+    """Start counting the peak afresh, so that each variant of a sweep run in one process reports its
+    own (not the largest of every variant so far)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    try:  # Linux: "5" resets the process's peak resident set size (VmHWM), see proc(5)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # elsewhere the peak covers the whole process
+
+
+def peak_mb() -> float:
+    """The peak since :func:`reset_peak`: allocated CUDA memory on a GPU, else the process's peak
+    resident set."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere

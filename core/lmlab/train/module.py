@@ -4,7 +4,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lmlab.api import IGNORE_INDEX
+from lmlab.api import IGNORE_INDEX, UserError
 from lmlab.model import compute_loss
 from lmlab.train.batches import FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows
 from lmlab.train.memory import SavedBytes
@@ -43,8 +43,9 @@ class LMModule(L.LightningModule):
         self.optimizer_plugin = optimizer
         self.cfg = train_cfg
         self.hooks = hooks
-        self.last_loss: torch.Tensor | None = None  # the most recent micro-batch's loss, not synced
+        self.last_loss: torch.Tensor | None = None  # the current step's loss (micro-batch mean), not synced
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
+        self._loss_step, self._micro = -1, 0  # the optimizer step last_loss averages over, micro-batches so far
         self.val_loss: float | None = None
         self.activation_bytes: int | None = None
         self._val_sum = self._val_count = None
@@ -92,9 +93,23 @@ class LMModule(L.LightningModule):
         if self._peft_loss is not None:
             extra = self._peft_loss(self.model)
             out = out._replace(total=out.total + extra, aux=extra if out.aux is None else out.aux + extra)
-        self.last_loss = out.loss.detach()
-        self.last_aux = out.aux.detach() if out.aux is not None else None
+        self._note_loss(out.loss.detach(), out.aux.detach() if out.aux is not None else None)
         return out.total
+
+    def _note_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """``last_loss``: the mean over the micro-batches of the optimizer step so far, which after its
+        last micro-batch is the step's loss (what one batch of all their rows gives, as the gradient
+        is); no host sync."""
+        step = self.trainer.global_step
+        if step != self._loss_step:
+            self._loss_step, self._micro = step, 0
+        self._micro += 1
+        if self._micro == 1:
+            self.last_loss, self.last_aux = loss, aux
+            return
+        self.last_loss = self.last_loss + (loss - self.last_loss) / self._micro
+        if aux is not None and self.last_aux is not None:
+            self.last_aux = self.last_aux + (aux - self.last_aux) / self._micro
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self._pending is None:
@@ -165,6 +180,17 @@ class LMModule(L.LightningModule):
             self.peft.restore(checkpoint)
 
 
+def check_windows_fit(tokens, block_size: int) -> None:
+    """Each split holds at least one window of block_size + 1 tokens (training draws from a range
+    one longer), or the run is refused before it starts."""
+    for split, needs in (("train", block_size + 2), ("val", block_size + 1)):
+        held = len(getattr(tokens, split))
+        if held < needs:
+            raise UserError(f"the {split} split of the data holds {held:,} tokens, fewer than a window of "
+                            f"block_size + 1 = {block_size + 1} needs; use more data or a smaller model.block_size",
+                            key="model.block_size")
+
+
 class TokenDataModule(L.LightningDataModule):
     """Batches of the prepared tokens, drawn as the objective asks (see :mod:`lmlab.train.batches`).
 
@@ -189,6 +215,8 @@ class TokenDataModule(L.LightningDataModule):
         if self.sampling == "documents" and not self.rich:
             raise TypeError(f"objective {objective.name!r} samples padded documents, so it must override "
                             "make_batch_from (only Windows say where the padding is)")
+        if self.sampling == "windows":
+            check_windows_fit(tokens, block_size)
         self.labels = {split: objective.token_labels(tokens.split(split)) if self.rich else None
                        for split in ("train", "val")}
 
@@ -198,7 +226,8 @@ class TokenDataModule(L.LightningDataModule):
         # Data-parallel replicas, which are not all ranks under tensor or pipeline parallelism: ranks
         # that hold parts of one replica must see the same batch.
         sharding = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        replicas = {"replica": sharding.get("rank", 0), "replicas": sharding.get("num_replicas", 1), "start": start}
+        replicas = {"replica": sharding.get("rank", 0), "replicas": sharding.get("num_replicas", 1), "start": start,
+                    "accum": self.grad_accum}
         if self.sampling == "documents":
             windows = RandomDocuments(self.tokens.train, self.tokens.document_starts("train"), self.block_size,
                                       self.batch_size, self.seed, labels=self.labels["train"], **replicas)

@@ -2,7 +2,12 @@
 
 Everything per step is cheap: the loss is synced to the host only every ``log_every`` steps, the
 progress line is redrawn at most twice a second, and checkpoints are written every
-``checkpoint_every`` steps, to a temporary file renamed over ``last.ckpt``.
+``checkpoint_every`` steps, to a temporary file inside the run folder that is read back and checked
+before it replaces ``last.ckpt`` (a damaged write never costs the previous checkpoint).
+
+A SIGTERM during training (:mod:`lmlab.signals`) ends the run at the end of the current optimizer
+step, after a checkpoint of that step: the processes of a distributed run agree on it at every step,
+since the save is collective under sharded strategies.
 """
 
 import math
@@ -13,8 +18,15 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 
+from lmlab import checkpoint, signals
+from lmlab.train.checkpoint_io import replace
 from lmlab.train.rundir import MetricsLog
+
+
+class Diverged(RuntimeError):
+    """The loss became infinite or NaN: the run fails, and its summary says so."""
 
 
 class RunRecorder(L.Callback):
@@ -32,6 +44,8 @@ class RunRecorder(L.Callback):
         self.first_step_s: float | None = None  # wall time of the first step (includes compilation)
         self._tty = sys.stderr.isatty()
         self._started = time.monotonic()
+        self._tmp_tag = str(os.getpid())  # the main process's, so that every rank names one file
+        self.processes: int | None = None  # distinct processes that trained
 
     # Lightning saves and restores this with the checkpoint.
     def state_dict(self) -> dict:
@@ -45,6 +59,14 @@ class RunRecorder(L.Callback):
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=self.resume_step)
         self._window_start, self._window_step = time.perf_counter(), trainer.global_step
         self._seen_step = trainer.global_step
+        self._tmp_tag = trainer.strategy.broadcast(self._tmp_tag)
+        # How many processes really took part (a collective every one of them joins), for the summary:
+        # a parallel run that quietly trained on one process must not pass for a parallel one.
+        pid = torch.tensor([os.getpid()], device=trainer.strategy.root_device)
+        self.processes = len(set(trainer.strategy.all_gather(pid).flatten().tolist()))
+        # Lightning has registered its SIGTERM handler by now, which would stop the loop without a
+        # checkpoint (and in the middle of an accumulation): note the signal, stop at a step's end.
+        signals.defer()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -60,9 +82,23 @@ class RunRecorder(L.Callback):
             self._log_train(trainer, pl_module, step, extra)
         elif extra and trainer.is_global_zero:
             self._emit({"step": step, **extra})
-        if step % self.cfg["checkpoint_every"] == 0 or step == trainer.max_steps:
+        stop = self._termination_requested(trainer)
+        if step % self.cfg["checkpoint_every"] == 0 or step == trainer.max_steps or stop:
             self.save_last(trainer)
+        if stop:
+            if trainer.is_global_zero:
+                self._say(f"SIGTERM: stopped after step {step}, its checkpoint written; running the same command "
+                          "again resumes from it")
+            # Raised here rather than by setting should_stop, which would run an evaluation first.
+            raise signals.Terminated()
         self._draw(trainer, step)
+
+    def _termination_requested(self, trainer) -> bool:
+        asked = signals.received()
+        if trainer.world_size > 1:  # every process stops at the same step, or the collective save hangs
+            flag = torch.tensor(float(asked), device=trainer.strategy.root_device)
+            asked = bool(trainer.strategy.reduce(flag, reduce_op="sum").item() > 0)
+        return asked
 
     def _log_train(self, trainer, pl_module, step: int, extra: dict) -> None:
         now = time.perf_counter()
@@ -76,6 +112,10 @@ class RunRecorder(L.Callback):
             # every rank reaches this line at the same step, so the collective cannot deadlock.
             loss = trainer.strategy.reduce(loss, reduce_op="mean")
         self.train_loss = loss.item()  # the one host sync per log interval
+        if not math.isfinite(self.train_loss) and self.cfg["precision"] != "16-mixed":
+            # Under 16-mixed an overflowing step is skipped by the loss scaler and training goes on.
+            raise Diverged(f"the training loss is {self.train_loss} at step {step}: training diverged (lower "
+                           "optimizer.lr, or set train.grad_clip)")
         if trainer.is_global_zero:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             record = {"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
@@ -112,12 +152,17 @@ class RunRecorder(L.Callback):
 
     def _save(self, trainer, name: str) -> None:
         # Every rank calls save_checkpoint (sharded strategies write from all of them); the main
-        # process then renames the finished file into place, which is atomic on POSIX.
+        # process checks the finished file and renames it into place, which is atomic on POSIX.
         path = self.ckpt_dir / name
-        tmp = self.ckpt_dir / f".{name}.tmp"
+        tmp = self.ckpt_dir / f".{name}.{self._tmp_tag}.tmp"
         trainer.save_checkpoint(tmp, weights_only=False)  # full state: resumable
         if trainer.is_global_zero:
-            os.replace(tmp, path)
+            problem = checkpoint.problem(tmp)
+            if problem is not None:
+                tmp.unlink(missing_ok=True)
+                raise OSError(f"the checkpoint just written to {tmp} does not read back ({problem}); the previous "
+                              f"{name} is kept")
+            replace(tmp, path)
             self.hooks.call("lmlab_checkpoint_saved", path=str(path), step=trainer.global_step)
         trainer.strategy.barrier("lmlab-checkpoint")
 

@@ -51,22 +51,22 @@ class Replayed(EndlessBatches):
     with probability ``fraction``, replaced by a random window of ``corpus``."""
 
     def __init__(self, inner, corpus, fraction: float, block_size: int, batch_size: int, seed: int,
-                 replica: int = 0, replicas: int = 1, start: int = 0):
+                 replica: int = 0, replicas: int = 1, start: int = 0, accum: int = 1):
         if len(corpus) <= block_size + 1:
             raise UserError(f"the [init] run's training split has {len(corpus)} tokens, too few for windows "
                             f"of {block_size + 1}", key="data.replay")
         self.inner, self.corpus, self.fraction = inner, corpus, fraction
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
-        self.replica, self.replicas, self.start = replica, replicas, start
+        self.replica, self.replicas, self.start, self.accum = replica, replicas, start, accum
         self._offsets = np.arange(block_size + 1)
 
     def rows(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rows of this replica's batch to replace, start of the replayed window of each)."""
-        rng = np.random.default_rng([self.seed, REPLAY_DRAWS, index])
-        total = self.batch_size * self.replicas
+        """(rows of this replica's micro-batch to replace, start of the replayed window of each)."""
+        step, first, total = self.slot(index)
+        rng = np.random.default_rng([self.seed, REPLAY_DRAWS, step])
         chosen = rng.random(total) < self.fraction
         starts = rng.integers(0, len(self.corpus) - self.block_size - 1, size=total)
-        mine = slice(self.replica * self.batch_size, (self.replica + 1) * self.batch_size)
+        mine = slice(first, first + self.batch_size)
         rows = np.flatnonzero(chosen[mine])
         return rows, starts[mine][rows]
 

@@ -1,6 +1,7 @@
 """Writing the run folder: every file is replaced atomically, so a crash never leaves half a file."""
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -8,13 +9,15 @@ from typing import Any
 
 import tomli_w
 
+from lmlab.errors import UserError
+
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a run folder is meant to be shared
         with os.fdopen(fd, "wb") as f:
@@ -28,7 +31,23 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
+    atomic_write_bytes(path, (json_text(obj, indent=2) + "\n").encode())
+
+
+def json_text(obj: Any, indent: int | None = None) -> str:
+    """Strict JSON: NaN and infinity, which JSON has no words for, become null (the run's status or
+    error says why a number is missing)."""
+    return json.dumps(finite(obj), indent=indent, default=str, allow_nan=False)
+
+
+def finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def toml_text(obj: dict) -> str:
@@ -55,7 +74,7 @@ class MetricsLog:
         self.path = path
         if keep_until_step is not None and path.exists():
             # Resuming: drop what the interrupted run logged after its last checkpoint.
-            kept = [line for line in path.read_text().splitlines()
+            kept = [line for line in path.read_bytes().decode("utf-8", "replace").splitlines()
                     if line.strip() and _step(line) is not None and _step(line) <= keep_until_step]
             atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
         elif keep_until_step is None:
@@ -63,7 +82,7 @@ class MetricsLog:
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json_text(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -77,12 +96,40 @@ def _step(line: str) -> int | None:
         return None  # a line cut short by a kill: drop it
 
 
+def load_json_object(path: Path, what: str, remedy: str) -> dict | None:
+    """A JSON object file of lmlab's (a run's summary.json, a sweep's sweep.json); None when there is
+    none, a UserError naming it when it is damaged (not UTF-8, not JSON, not an object)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise UserError(f"cannot be read ({exc.strerror})", key=str(path)) from None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        why = "not UTF-8 text"
+    except ValueError:
+        why = "not valid JSON"
+    else:
+        if isinstance(obj, dict):
+            return obj
+        why = f"a JSON {type(obj).__name__}, not an object"
+    raise UserError(f"is not a readable {what} ({why}); {remedy}", key=str(path))
+
+
+def load_summary(run_dir: Path, remedy: str) -> dict | None:
+    return load_json_object(run_dir / "summary.json", "run summary", remedy)
+
+
 def read_metrics(path: Path) -> list[dict]:
     records = []
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a kill, or damaged
                 continue
+            if isinstance(record, dict):
+                records.append(record)
     return records

@@ -3,7 +3,6 @@
 import logging
 import math
 import os
-import resource
 import time
 import traceback
 import warnings
@@ -12,13 +11,18 @@ from pathlib import Path
 
 import torch
 
-from lmlab import pretrained, provenance
+from lmlab import checkpoint, pretrained, provenance, signals
 from lmlab.api import RunInfo
+from lmlab.config import TrainOptions
+from lmlab.errors import UserError
 from lmlab.hooks import Hooks
-from lmlab.train import adapters, allocator, build, tokens as token_cache
+from lmlab.train import adapters, allocator, build, memory, tokens as token_cache
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
 from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
+from lmlab.train.sweep import is_main_process
+
+DEFAULT_SAMPLE_PROMPT = TrainOptions.model_fields["sample_prompt"].default
 
 
 @dataclass
@@ -35,13 +39,29 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
 
     ``extra_hooks``: further objects with ``@hookimpl`` methods (a notebook's probe, a benchmark).
     """
+    started = time.perf_counter()
+    attempt = {"recorded": False}  # whether this attempt's summary.json has been written
+    try:
+        return _run(variant, run_dir, resume, extra_hooks, started, attempt)
+    except UserError:
+        raise  # bad input, found before the run began: the message is the record, the folder untouched
+    except BaseException as exc:
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit, signals.Terminated))
+        if not attempt["recorded"] and is_main_process() and (run_dir.is_dir() or not interrupted):
+            # Failed (or stopped) before training started, so the recorder wrote nothing: say so here.
+            _write_early_summary(run_dir, exc, started)
+        raise
+
+
+def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, attempt: dict) -> RunResult:
     import lightning as L
 
-    from lmlab.train.module import LMModule, TokenDataModule
+    from lmlab.train.checkpoint_io import RunFolderCheckpointIO
+    from lmlab.train.module import LMModule, TokenDataModule, check_windows_fit
     from lmlab.train.recorder import RunRecorder
 
-    started = time.perf_counter()
     _quiet_lightning()
+    memory.reset_peak()
     cfg = variant.manifest["train"]
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
@@ -52,23 +72,26 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     # The objective's special tokens may grow the vocabulary past the tokenizer's (mlm's [MASK]).
     shape, vocab = build.vocabulary(variant, plugins["objective"], tokens.tokenizer)
     plugins["objective"].setup(vocab)
+    if getattr(plugins["objective"], "sampling", "windows") == "windows":
+        check_windows_fit(tokens, shape.block_size)
+    _check_sample_prompt(cfg, plugins["objective"], tokens.tokenizer)
     model = build.build_model(variant, shape, plugins)
-    last_ckpt = run_dir / "checkpoints" / "last.ckpt"
+    # The newest readable checkpoint (a damaged last.ckpt falls back to best.ckpt, with a warning).
+    ckpt_path = checkpoint.resume_point(run_dir) if resume else None
     # [init]: the weights a fine-tune starts from, loaded before anything adapts, wraps or shards the
-    # model; a resumed run continues from its own last.ckpt instead (Lightning loads it below).
-    init = pretrained.initialise(variant, model, run_dir, resuming=resume and last_ckpt.is_file())
+    # model; a resumed run continues from its own checkpoint instead (Lightning loads it below).
+    init = pretrained.initialise(variant, model, run_dir, resuming=ckpt_path is not None)
     # [peft]: the adapter goes in on top of those weights and freezes them; a resumed run reloads the
     # base it recorded first (lmlab.train.adapters). None when the run trains the whole model.
     peft = adapters.prepare(plugins.get("peft"), model, variant.manifest, run_dir / "checkpoints",
-                            resuming=resume and last_ckpt.is_file())
+                            resuming=ckpt_path is not None)
     hooks = Hooks([*(p for value in plugins.values() for p in (value if isinstance(value, list) else [value])),
                    *extra_hooks])
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
     model.set_checkpointing(cfg["checkpointing"])
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
-    ckpt_path = last_ckpt if resume and last_ckpt.is_file() else None
-    resume_step = _checkpoint_step(ckpt_path) if ckpt_path else None
+    resume_step = checkpoint.step_of(ckpt_path) if ckpt_path else None
     used = provenance.plugins(variant)
     environment = provenance.environment()
 
@@ -84,6 +107,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
                            None, hooks, resume_step=resume_step)
     trainer = _trainer(cfg, run_dir, recorder, parallel)
+    trainer.strategy.checkpoint_io = RunFolderCheckpointIO()  # staged in the run folder, not in $TMPDIR
     main = trainer.is_global_zero
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +129,16 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
     summary = {"status": "failed", "steps": resume_step or 0}
     plain = None
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        except SystemExit as exc:
+            # Lightning turns Ctrl-C into sys.exit(1), and a SIGTERM that came before training started
+            # into its SIGTERMException: give each its own exit status again.
+            if signals.received():
+                raise signals.Terminated() from exc
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                raise KeyboardInterrupt from exc
+            raise
         if trainer.interrupted:
             raise KeyboardInterrupt
         datamodule.full_validation = True
@@ -117,8 +150,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         # sample runs there alone, and a sharded forward would wait for the others forever; the
         # parameter count is the whole model's, not one shard's). Every process takes part.
         plain = _gathered(trainer, module, lambda: build.build_model(variant, shape, plugins), main)
-    except (KeyboardInterrupt, SystemExit):
-        summary = {"status": "interrupted", "steps": trainer.global_step}
+    except (KeyboardInterrupt, SystemExit, signals.Terminated) as exc:
+        summary = {"status": "interrupted", "steps": trainer.global_step, "signal": _signal_name(exc)}
         raise
     except Exception as exc:
         summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": trainer.global_step}
@@ -129,10 +162,11 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         recorder.close()
         counted = plain if plain is not None else model
         summary.update(wall_s=time.perf_counter() - started, params=counted.num_params(),
-                       trainable_params=counted.num_params(trainable_only=True), peak_mem_mb=_peak_mem_mb(),
+                       trainable_params=counted.num_params(trainable_only=True), peak_mem_mb=memory.peak_mb(),
                        plugins=used, environment=environment, **tokens.report(), **({"init": init} if init else {}))
         if main:
             write_json(run_dir / "summary.json", summary)
+            attempt["recorded"] = True
             tracker.finish(summary, summary["status"])
     if plain is not None:
         module.model = plain
@@ -160,7 +194,6 @@ def _precision(cfg: dict, parallel: dict) -> dict:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     from lmlab.api.parallel import resolve_devices
-    from lmlab.errors import UserError
 
     strategy, accelerator = parallel.get("strategy"), parallel.get("accelerator", "auto")
     if cfg["precision"] != "16-mixed" or isinstance(strategy, DeepSpeedStrategy):  # DeepSpeed scales by its config
@@ -204,10 +237,16 @@ def _gathered(trainer, module, rebuild, main: bool):
 
 
 def _completed(trainer, module, recorder, compiled: bool) -> dict:
+    from lmlab.train.recorder import Diverged
+
+    if not math.isfinite(module.val_loss):
+        raise Diverged(f"the validation loss is {module.val_loss} after {trainer.global_step} steps: training "
+                       "diverged (lower optimizer.lr, or set train.grad_clip)")
     summary = {
         "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
         "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
         "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
+        "world_size": trainer.world_size, "processes": recorder.processes,
         "first_step_s": recorder.first_step_s,
         "activation_mb": (module.activation_bytes or 0) / 2**20,
         "state_mb": state_bytes(module.model, trainer.optimizers) / 2**20,
@@ -236,15 +275,35 @@ def _strip_private(manifest: dict) -> dict:
     return {k: v for k, v in manifest.items() if not k.startswith("_")}
 
 
-def _checkpoint_step(path: Path) -> int | None:
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return int(checkpoint.get("global_step", 0))
+def _check_sample_prompt(cfg: dict, objective, tokenizer) -> None:
+    """A prompt the user chose for the closing sample must encode: found out now, not after the run
+    has trained. The default one ("\n") may not (a corpus without line breaks): then only the sample
+    is lost, with a warning at the end."""
+    if not cfg["sample_tokens"] or not objective.causal or cfg["sample_prompt"] == DEFAULT_SAMPLE_PROMPT:
+        return
+    try:
+        ids = tokenizer.encode(cfg["sample_prompt"])
+    except (UserError, ValueError, KeyError) as exc:
+        raise UserError(f"{cfg['sample_prompt']!r} cannot be encoded by the run's tokenizer "
+                        f"({str(exc).split(': ', 1)[-1]}); change the prompt, or set train.sample_tokens = 0",
+                        key="train.sample_prompt") from None
+    if len(ids) == 0:
+        raise UserError("encodes to no tokens, and a sample needs at least one to continue from",
+                        key="train.sample_prompt")
 
 
-def _peak_mem_mb() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    # CPU: the process's peak resident set (Linux reports KiB); covers every variant run so far.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _write_early_summary(run_dir: Path, exc: BaseException, started: float) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, signals.Terminated)):
+        summary = {"status": "interrupted", "steps": 0, "signal": _signal_name(exc)}
+    else:
+        summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": 0}
+        atomic_write_bytes(run_dir / "error.log", traceback.format_exc().encode())
+    write_json(run_dir / "summary.json", {**summary, "wall_s": time.perf_counter() - started})
+
+
+def _signal_name(exc: BaseException) -> str | None:
+    return {KeyboardInterrupt: "SIGINT", signals.Terminated: "SIGTERM"}.get(type(exc))
+
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmlab.errors import UserError
-from lmlab.train.rundir import write_json
+from lmlab.signals import Terminated
+from lmlab.train.rundir import load_summary, write_json
 
 #: Keys that change how a run is reported or sampled, not what it trains: they may differ when a run
 #: is continued (prefixes of dotted keys).
@@ -33,40 +34,86 @@ RUN_FILES = ("checkpoints", "wandb", "metrics.jsonl", "summary.json", "error.log
 class Planned:
     variant: object  # lmlab.manifest.Variant
     run_dir: Path
-    action: str  # "start", "resume", "restart" (an unfinished run with no checkpoint) or "skip"
+    action: str  # "start", "resume", "restart" (an unfinished run with no readable checkpoint) or "skip"
     status: str | None  # what the folder held: None, "completed", "failed", "interrupted"
+    reason: str = ""  # for "restart": why the earlier attempt cannot be continued
+
+
+def is_main_process() -> bool:
+    """False in the worker processes of a distributed launch (Lightning, torchrun, SLURM), which re-run
+    the command after the main one: they must not plan, lock or delete anything of their own."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def check_out(out: Path) -> None:
+    """The runs folder must be a folder this process can write in (or one it can create)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    where = "" if existing == out else f"{existing} "
+    if not existing.is_dir():
+        raise UserError(f"{where}is a file, not a folder to write runs into; pick another --out", key=str(out))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{where}cannot be written to (permission denied); pick another --out", key=str(out))
 
 
 def status_of(run_dir: Path) -> str | None:
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        try:
-            return json.loads(summary.read_text()).get("status", "unknown")
-        except json.JSONDecodeError:
-            return "unknown"
-    if (run_dir / "checkpoints" / "last.ckpt").is_file() or (run_dir / "metrics.jsonl").is_file():
+    if not run_dir.exists():
+        return None
+    if not run_dir.is_dir():
+        raise UserError("is a file, not a run folder; pick another --out", key=str(run_dir))
+    summary = load_summary(run_dir, "move it away, or pass --overwrite to train the variant again from scratch")
+    if summary is not None:
+        return summary.get("status") if isinstance(summary.get("status"), str) else "unknown"
+    if (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file():
         return "interrupted"
     return None
 
 
 def plan(variants: list, out: Path, overwrite: bool = False) -> list[Planned]:
     """One entry per variant; raises UserError for a folder that holds another manifest's run."""
+    from lmlab import checkpoint
+
     planned = []
     for variant in variants:
         run_dir = out / variant.name
         status = None if overwrite else status_of(run_dir)
         if status is not None:
             _same_manifest(variant, run_dir)
+        reason = ""
         if status is None:
             action = "start"
         elif status == "completed":
             action = "skip"
-        elif (run_dir / "checkpoints" / "last.ckpt").is_file():
-            action = "resume"
         else:
-            action = "restart"
-        planned.append(Planned(variant, run_dir, action, status))
+            good, bad = checkpoint.readable(run_dir)
+            action = "resume" if good else "restart"
+            if not good:
+                reason = "; ".join(bad) if bad else "the earlier attempt left no checkpoint"
+        planned.append(Planned(variant, run_dir, action, status, reason))
     return planned
+
+
+def claim(run_dirs: list[Path], stack) -> dict[Path, "RunLock"]:
+    """Lock each run folder (entered on ``stack``, so released with it); folder → its lock. A folder
+    held by a live run raises UserError naming the holder."""
+    from lmlab.train.lock import RunLock
+
+    locks = {}
+    for run_dir in run_dirs:
+        locks[run_dir] = stack.enter_context(RunLock(run_dir))
+        remove_orphans(run_dir)
+    return locks
+
+
+def remove_orphans(run_dir: Path) -> None:
+    """Temporary files a killed process left behind (half-written checkpoints, summaries): nothing
+    else can be writing them while we hold the folder's lock."""
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.is_dir():
+            for path in folder.glob(".*.tmp"):
+                if path.is_file():
+                    path.unlink(missing_ok=True)
 
 
 def _same_manifest(variant, run_dir: Path) -> None:
@@ -77,11 +124,11 @@ def _same_manifest(variant, run_dir: Path) -> None:
     recorded = run_dir / "provenance.json"
     try:
         # The resolved manifest as JSON keeps options whose value is None, which TOML cannot hold.
-        stored = flatten(json.loads(recorded.read_text())["manifest"])
+        stored = flatten(json.loads(recorded.read_text(encoding="utf-8"))["manifest"])
         # A key it lacks is an option that did not exist when the run was made (every option is
         # resolved): the run used what is now that option's default, so it does not count.
         keys = set(stored)
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+    except (OSError, KeyError, TypeError, AttributeError, ValueError):  # missing, damaged, not UTF-8
         if not (run_dir / "manifest.toml").is_file():
             return  # killed before it wrote one: nothing to disagree with
         stored = flatten(read_toml(run_dir / "manifest.toml"))
@@ -118,18 +165,24 @@ def write_index(out: Path, manifest_path: str, overrides: list[str], variants: l
 
 
 def read_summary(run_dir: Path) -> dict | None:
+    """summary.json as a dict; None when it is missing or not a JSON object (damaged, not UTF-8)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        summary = json.loads((run_dir / "summary.json").read_bytes())
+    except (OSError, ValueError):
         return None
+    return summary if isinstance(summary, dict) else None
 
 
-def run_parallel(todo: list[Planned], jobs: int, base_argv: list[str], say) -> dict[str, dict | None]:
+def run_parallel(todo: list[Planned], jobs: int, base_argv: list[str], say,
+                 locks: dict | None = None) -> dict[str, dict | None]:
     """Run ``todo`` in up to ``jobs`` child processes; variant name → its summary (None: no summary).
 
     ``base_argv`` is the ``lmlab run`` command line without ``--only``/``--jobs``/``--overwrite``.
     Each child gets ``cpu_count // jobs`` threads (at least one): N processes that each start as
-    many threads as there are cores run many times slower than one.
+    many threads as there are cores run many times slower than one. ``locks`` (variant name → the
+    RunLock this process holds on its folder) are handed to the children that run them.
+    A SIGINT or SIGTERM to this process is passed on to the children, which stop as ``lmlab run``
+    does (a checkpoint on SIGTERM), and is raised again once they have ended.
     """
     threads = max(1, (os.cpu_count() or 1) // jobs)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -142,7 +195,12 @@ def run_parallel(todo: list[Planned], jobs: int, base_argv: list[str], say) -> d
                 item.run_dir.mkdir(parents=True, exist_ok=True)
                 log = open(item.run_dir / "output.log", "ab")
                 argv = [sys.executable, "-m", "lmlab", *base_argv, "--only", item.variant.name]
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+                handoff, fds = {}, ()
+                if locks and item.variant.name in locks:
+                    handoff, fd = locks[item.variant.name].handoff_env()
+                    fds = (fd,)
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **handoff},
+                                        pass_fds=fds)
                 log.close()
                 running[proc] = item
                 say(f"[{item.variant.name}] {_verb(item.action)} (pid {proc.pid}, {threads} thread(s), "
@@ -154,10 +212,12 @@ def run_parallel(todo: list[Planned], jobs: int, base_argv: list[str], say) -> d
                 summary = read_summary(item.run_dir)
                 results[item.variant.name] = summary
                 say(f"[{done}/{total}] {describe(item.variant.name, summary, proc.returncode, item.run_dir)}")
-    except KeyboardInterrupt:
-        for proc in running:  # each child records its run as interrupted and keeps its checkpoint
-            proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 60
+    except (KeyboardInterrupt, Terminated) as exc:
+        # Each child records its run as interrupted and keeps its checkpoint (SIGTERM: writes one).
+        forwarded = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+        for proc in running:
+            proc.send_signal(forwarded)
+        deadline = time.monotonic() + 120
         for proc in running:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lmlab.api import Parallel
+from lmlab.api import Parallel, UserError
 from lmlab_parallel.ddp import DistributedDataParallel as DDP
 
 
@@ -32,7 +32,9 @@ def test_ddp_defaults_launch_by_subprocess_script_and_let_lightning_pick_the_bac
                                     "gradient_as_bucket_view": True}
 
 
-def test_ddp_forwards_every_option_to_lightning_and_torch_ddp():
+def test_ddp_forwards_every_option_to_lightning_and_torch_ddp(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with the 4 GPUs asked for
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     kwargs = make(devices=4, num_nodes=2, accelerator="cuda", backend="gloo", start_method="spawn",
                   find_unused_parameters=True, static_graph=True,
                   gradient_as_bucket_view=False).trainer_kwargs()
@@ -42,6 +44,12 @@ def test_ddp_forwards_every_option_to_lightning_and_torch_ddp():
     assert strategy._process_group_backend == "gloo"
     assert strategy._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True,
                                     "gradient_as_bucket_view": False}
+
+
+def test_ddp_refuses_devices_the_machine_lacks_before_the_run_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="parallel.accelerator"):
+        make(devices=4, accelerator="gpu").trainer_kwargs()
 
 
 def test_ddp_options_refuse_zero_devices_and_unknown_start_methods():

@@ -52,9 +52,11 @@ class FilesOptions(DataOptions):
     @classmethod
     def _known_encoding(cls, value: str) -> str:
         try:
-            codecs.lookup(value)
+            codec = codecs.lookup(value)
         except LookupError:
             raise ValueError(f"unknown encoding {value!r}") from None
+        if not getattr(codec, "_is_text_encoding", True):  # rot13, base64, zlib: codecs, not text encodings
+            raise ValueError(f"{value!r} is not a text encoding (utf-8, latin-1, cp1252, ...)")
         return value
 
     @field_validator("path")

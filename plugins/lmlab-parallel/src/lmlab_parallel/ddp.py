@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import PositiveInt
 
 from lmlab.api import Field, Options, Parallel
+from lmlab.api.parallel import resolve_devices
 
 
 class DDPOptions(Options):
@@ -46,11 +47,15 @@ class DistributedDataParallel(Parallel):
     """One model replica per device; gradients all-reduced after each backward pass."""
 
     Options = DDPOptions
+    api = ">=1.3,<2"  # resolve_devices
 
     def trainer_kwargs(self) -> dict[str, Any]:
         from lightning.pytorch.strategies import DDPStrategy
 
         o = self.options
+        # Checked here, before the run starts, rather than by Lightning in the middle of it; Lightning
+        # still gets the options as written.
+        resolve_devices(o.accelerator, o.devices)
         strategy = DDPStrategy(
             process_group_backend=o.backend,  # None: Lightning picks nccl for CUDA, gloo otherwise
             start_method=o.start_method,
@@ -59,8 +64,7 @@ class DistributedDataParallel(Parallel):
             static_graph=o.static_graph,
             gradient_as_bucket_view=o.gradient_as_bucket_view,
         )
-        return {"strategy": strategy, "accelerator": o.accelerator, "devices": o.devices,
-                "num_nodes": o.num_nodes}
+        return {"strategy": strategy, "accelerator": o.accelerator, "devices": o.devices, "num_nodes": o.num_nodes}
 
     def memory_layout(self, model, world_size: int | None, precision: str):
         """A full replica per device. Gradients live in DDP's all-reduce buckets, which persist between
