@@ -353,7 +353,7 @@ def test_a_forward_that_reads_tensor_values_is_measured_by_running_a_small_model
                                                                                           monkeypatch):
     from lmlab.plan import measure as planner
 
-    path = plan_manifest(extra='\n[ffn]\nuse = "moe"\n')  # sizes its expert buffers by the busiest expert on CPU
+    path = plan_manifest(extra='\n[ffn]\nuse = "moe"\n')  # splits its rows by the tokens each expert got
     assert _plan(path).facts.activation_bytes > 0
     monkeypatch.setattr(planner, "REAL_FORWARD_LIMIT", 0)
     with pytest.raises(UserError, match="depends on tensor values") as info:

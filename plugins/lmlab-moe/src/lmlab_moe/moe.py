@@ -24,10 +24,13 @@ Whether a choice is dropped then depends only on tokens at positions up to its o
 expert because of tokens after t: in a causal language model, training outputs would see the future.
 Evaluation and generation never drop.
 
-Experts are computed together: their weights are stacked into (E, C, H) and (E, H, C) tensors, the
-tokens are gathered into an (E, capacity, C) buffer (capacity: the busiest expert's load, or the limit;
-empty slots hold zeros) and one ``torch.bmm`` per matrix runs all experts. Routing positions come from
-a cumulative sum over a one-hot of the choices; nothing loops over tokens or experts.
+Experts' weights are stacked into (E, C, H) and (E, H, C) tensors. Dropless, the routing choices are
+sorted by expert, so each expert's rows are one contiguous slice and two matmuls per expert compute
+exactly N·k rows however unbalanced the router (a batched matmul would pad every expert to the
+busiest one's load and compute the padding for nothing). With a capacity, the tokens are gathered into
+one fixed-size (E, capacity, C) buffer (empty slots hold zeros) and one ``torch.bmm`` per matrix runs
+all experts; queue positions come from a cumulative sum over a one-hot of the choices. Nothing
+loops over tokens.
 """
 
 import math
@@ -68,62 +71,85 @@ class MixtureOfExperts(FFNModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)                                           # (N, C)
-        N, E = tokens.shape[0], self.n_experts
         k = self.top_k if self.training or self.inference_top_k is None else self.inference_top_k
         route = self.router(tokens, k, self.normalize_weights)
+        counts = torch.bincount(route.expert.reshape(-1), minlength=self.n_experts)  # (E,) choices per expert
+        if self.training and self.capacity_factor is not None:
+            out, keep = self._with_capacity(tokens, route, B, T, k, counts)
+        else:
+            out, keep = self._dropless(tokens, route, counts), None
+        y = (out * route.gate.unsqueeze(-1).to(out.dtype)).sum(dim=1)          # (N, C): each token's k outputs, gated
+        self._record_losses(route, counts, keep)
+        return y.view(B, T, C)
 
+    def _dropless(self, tokens: torch.Tensor, route, counts: torch.Tensor) -> torch.Tensor:
+        """(N, k, C): every choice's expert output. The choices are sorted by expert, so each expert's
+        rows are one contiguous slice and exactly N·k rows are computed, however unbalanced the router."""
+        N, k = route.expert.shape
+        expert = route.expert.reshape(-1)                                      # (kN,) token-major
+        order = expert.argsort(stable=True)                                    # (kN,) grouped by expert
+        rows = tokens[order // k]                                              # (kN, C) each choice's token
+        sizes = counts.tolist()  # one device sync per layer
+        grouped = torch.cat([self._expert(e, chunk) for e, chunk in enumerate(rows.split(sizes))])  # (kN, C)
+        out = torch.empty_like(grouped)
+        out[order] = grouped                                                   # back to token-major order
+        return out.view(N, k, -1)
+
+    def _with_capacity(self, tokens: torch.Tensor, route, B: int, T: int, k: int, counts: torch.Tensor):
+        """(N, k, C) expert outputs, zero for dropped choices, and (kN,) which choices were kept. Every
+        expert's rows fill one fixed-size buffer, (E, capacity, C), run as one batched matmul."""
+        N, C, E = tokens.shape[0], tokens.shape[1], self.n_experts
         # Choices in capacity priority order (t, b, choice): a choice's place in its expert's queue
         # counts only choices at positions up to its own, so a drop never depends on later tokens.
         expert = route.expert.view(B, T, k).transpose(0, 1).reshape(-1)       # (kN,) in (t, b, choice) order
-        token = torch.arange(N, device=x.device).view(B, T, 1).expand(B, T, k)  # (B, T, k) token of each choice
+        token = torch.arange(N, device=tokens.device).view(B, T, 1).expand(B, T, k)  # (B, T, k) token of each choice
         token = token.transpose(0, 1).reshape(-1)                              # (kN,) in (t, b, choice) order
         one_hot = F.one_hot(expert, E)                                         # (kN, E)
-        queue = one_hot.cumsum(dim=0)                                          # (kN, E) choices so far per expert
-        position = queue.gather(1, expert[:, None]).squeeze(1) - 1             # (kN,) place in its expert's queue
-        counts = queue[-1]                                                     # (E,) choices per expert
+        position = one_hot.cumsum(dim=0).gather(1, expert[:, None]).squeeze(1) - 1  # (kN,) place in its queue
         capacity = self._capacity(N, k, counts)
         keep = position < capacity                                             # (kN,) within capacity
         # Dropped choices point at one extra slot past the end, which reads back zeros.
         slot = torch.where(keep, expert * capacity + position, E * capacity)   # (kN,)
 
         # Dispatch: slot → token it holds (empty slots → row N, a row of zeros).
-        slot_token = torch.full((E * capacity + 1,), N, dtype=torch.long, device=x.device)
+        slot_token = torch.full((E * capacity + 1,), N, dtype=torch.long, device=tokens.device)
         slot_token[slot] = token  # kept choices own distinct slots; dropped ones collide in the spare
         padded = torch.cat((tokens, tokens.new_zeros(1, C)))                   # (N + 1, C)
         buffer = padded[slot_token[:-1]].view(E, capacity, C)                  # (E, cap, C)
 
         out = self._experts(buffer).reshape(E * capacity, C)                   # (E·cap, C)
         out = torch.cat((out, out.new_zeros(1, C)))                            # (E·cap + 1, C)
-        # Combine in token order: each token's k rows, weighted by its gates.
-        slot = slot.view(T, B, k).transpose(0, 1)                              # (B, T, k)
-        y = (out[slot] * route.gate.view(B, T, k, 1).to(out.dtype)).sum(dim=2)  # (B, T, C)
-
-        self._record_losses(route, counts, keep)
-        return y
+        slot = slot.view(T, B, k).transpose(0, 1).reshape(N, k)                # (N, k) in token order
+        return out[slot], keep
 
     def _capacity(self, n_tokens: int, k: int, counts: torch.Tensor) -> int:
-        """Rows per expert in the buffer: the capacity limit, or the busiest expert's load if smaller
-        (always when there is no limit: dropless)."""
-        if self.training and self.capacity_factor is not None:
-            limit = math.ceil(self.capacity_factor * n_tokens * k / self.n_experts)
-            if counts.device.type != "cpu":
-                return limit  # a fixed size: no device sync, one shape for torch.compile
-            # On the CPU reading the busiest load is free, and the slack a balanced router leaves
-            # (25% of the buffer at capacity_factor 1.25) would be computed for nothing. Same output.
-            return min(limit, int(counts.max()))
-        return int(counts.max())  # no limit: room for the busiest expert (one device sync per layer)
+        """Rows per expert in the buffer: the capacity limit, or the busiest expert's load if smaller."""
+        limit = math.ceil(self.capacity_factor * n_tokens * k / self.n_experts)
+        if counts.device.type != "cpu":
+            return limit  # a fixed size: no device sync, one shape for torch.compile
+        # On the CPU reading the busiest load is free, and the slack a balanced router leaves (25% of the
+        # buffer at capacity_factor 1.25) would be computed for nothing. Same output.
+        return min(limit, int(counts.max()))
 
     def _experts(self, h: torch.Tensor) -> torch.Tensor:
         """(E, cap, C) → (E, cap, C): every expert's MLP on its own rows, as two batched matmuls."""
         h = torch.bmm(h, self.w_in) if self.b_in is None else torch.baddbmm(self.b_in, h, self.w_in)
-        if self.activation == "swiglu":
-            g, u = h.chunk(2, dim=-1)
-            h = F.silu(g) * u                                                  # (E, cap, H)
-        else:
-            h = F.gelu(h)                                                      # (E, cap, H)
+        h = self._activation(h)                                                # (E, cap, H)
         return torch.bmm(h, self.w_out) if self.b_out is None else torch.baddbmm(self.b_out, h, self.w_out)
 
-    def _record_losses(self, route, counts: torch.Tensor, keep: torch.Tensor) -> None:
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """(n, C) → (n, C): expert ``e``'s MLP."""
+        h = h @ self.w_in[e] if self.b_in is None else torch.addmm(self.b_in[e], h, self.w_in[e])
+        h = self._activation(h)                                                # (n, H)
+        return h @ self.w_out[e] if self.b_out is None else torch.addmm(self.b_out[e], h, self.w_out[e])
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            g, u = h.chunk(2, dim=-1)
+            return F.silu(g) * u
+        return F.gelu(h)
+
+    def _record_losses(self, route, counts: torch.Tensor, keep: torch.Tensor | None) -> None:
         if not self.training:
             self.aux_loss = None  # the model would otherwise add a stale training loss to eval
             return
@@ -134,7 +160,7 @@ class MixtureOfExperts(FFNModule):
         self.stats = {
             "balance_loss": balance.detach(),
             "z_loss": (z if z is not None else router_z_loss(route.logits)).detach(),
-            "dropped_fraction": 1.0 - keep.float().mean(),
+            "dropped_fraction": counts.new_zeros((), dtype=torch.float32) if keep is None else 1.0 - keep.float().mean(),
             "expert_fraction": counts.float() / counts.sum(),
         }
 
