@@ -27,15 +27,15 @@ def measure(args) -> dict:
     from torch.nn import functional as F
 
     from lmlab import manifest
-    from lmlab.train import build
+    from lmlab.assemble import assemble
 
     overrides = ["tracker.use=none", f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
-                 f"model.block_size={args.block}", "model.n_heads=8"]
+                 f"model.block_size={args.block}", "model.n_heads=8", "model.vocab_size=256"]
     (variant,) = manifest.load(ROOT / "experiments" / "shakespeare-char.toml", overrides)
-    plugins = build.instantiate_all(variant)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = build.build_model(variant, build.model_shape(variant, 256), plugins).to(device)
+    built = assemble(variant)
+    model = built.model.to(device)
     model.set_checkpointing(args.policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (args.batch, args.block + 1), device=device)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from stepper import QUICKSTART, ModelStepper
 
 from lmlab import manifest
-from lmlab.train import tokens as token_cache
+from lmlab.prepare import tokens as token_cache
 from lmlab.train.module import TokenDataModule
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -46,7 +46,7 @@ def stdlib_shards(scratch: Path):
     (variant,) = manifest.load(path)
     from lmlab.prepare import pipeline
 
-    folder = pipeline.prepare(variant, root=scratch / "cache", shard_mb=1.0, listener=lambda e, i: None)
+    folder = pipeline.prepare_corpus(variant, root=scratch / "cache", shard_mb=1.0, listener=lambda e, i: None)
     return token_cache.open_prepared(variant, folder)
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     step = stepper.steps(args.steps)
     print(f"baby GPT training step  {step * 1e3:8.2f} ms  ({1 / step:8.1f} batches/s consumed)")
     with tempfile.TemporaryDirectory() as tmp:
-        corpora = {"tinyshakespeare, 1 shard": token_cache.prepare(variant),
+        corpora = {"tinyshakespeare, 1 shard": token_cache.load_tokens(variant),
                    "stdlib, many shards": stdlib_shards(Path(tmp))}
         for name, data in corpora.items():
             shards = len(data.index["shards"]["train"])

@@ -65,7 +65,7 @@ def quiet(event: str, info: dict) -> None:
 def measure(variant, workers: int, scratch: Path) -> tuple[float, dict, str]:
     root = Path(tempfile.mkdtemp(dir=scratch))
     start = time.perf_counter()
-    folder = pipeline.prepare(variant, root=root, workers=workers, listener=quiet)
+    folder = pipeline.prepare_corpus(variant, root=root, workers=workers, listener=quiet)
     seconds = time.perf_counter() - start
     return seconds, json.loads((folder / "index.json").read_text()), digest(folder)
 

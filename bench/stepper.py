@@ -11,8 +11,8 @@ import torch
 
 from lmlab import manifest
 from lmlab.model import compute_loss
-from lmlab.train import allocator, build
-from lmlab.train import tokens as token_cache
+from lmlab.assemble import assemble
+from lmlab.train import allocator
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "experiments" / "shakespeare-char.toml"
@@ -25,14 +25,12 @@ class ModelStepper:
         if tune_malloc:  # as `lmlab run` does before training (lmlab.train.allocator, bench/allocator.py)
             allocator.tune_for_training()
         (variant,) = manifest.load(QUICKSTART, ["tracker.use=none", *overrides])
-        data = token_cache.prepare(variant)
-        plugins = build.instantiate_all(variant)
         torch.manual_seed(seed)
-        self.model = build.build_model(variant, build.model_shape(variant, data.tokenizer.vocab_size), plugins)
-        self.objective = plugins["objective"]
-        self.optimizer = plugins["optimizer"].build(self.model.param_infos())
-        self.tokens = torch.from_numpy(data.train.astype(np.int64))
-        self.B, self.T = variant.manifest["train"]["batch_size"], variant.manifest["model"]["block_size"]
+        built = assemble(variant, data=True)
+        self.model, self.objective = built.model, built.objective
+        self.optimizer = built.plugins["optimizer"].build(self.model.param_infos())
+        self.tokens = torch.from_numpy(built.tokens.train.astype(np.int64))
+        self.B, self.T = variant.train.batch_size, variant.model.block_size
         self.params = self.model.num_params()
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -25,7 +25,7 @@ from handwritten_gpt import GPT  # noqa: E402
 
 from lmlab import manifest  # noqa: E402
 from lmlab.api import hookimpl  # noqa: E402
-from lmlab.train import tokens as token_cache  # noqa: E402
+from lmlab.assemble import assemble  # noqa: E402
 from lmlab.train.runner import run_variant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,13 +103,9 @@ def main() -> None:
     overrides = ["tracker.use=none", "train.sample_tokens=0", f"train.max_steps={args.steps}",
                  f"train.eval_every={args.steps}", "train.eval_steps=1", f"train.checkpoint_every={args.steps}"]
     (variant,) = manifest.load(ROOT / "experiments" / "shakespeare-char.toml", overrides)
-    data = token_cache.prepare(variant)
-    model = None
-    if args.same_model:
-        from lmlab.train import build
-
-        plugins = build.instantiate_all(variant)
-        model = build.build_model(variant, build.model_shape(variant, data.tokenizer.vocab_size), plugins)
+    built = assemble(variant, data=True)
+    data = built.tokens
+    model = built.model if args.same_model else None
     plain = PlainLoop(data.train, data.tokenizer.vocab_size, variant.manifest, args.steps, model)
     probe = Interleave(plain, args.every, args.warmup)
     with tempfile.TemporaryDirectory() as tmp:

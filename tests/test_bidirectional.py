@@ -9,7 +9,8 @@ from lmlab.api import Attention, ModelShape, MixerContext, Objective, UserError
 from lmlab.model import LanguageModel
 from lmlab.testing import ConformanceError, check_attention, iter_checks
 from lmlab.testing.reference import ReferenceAttention, ReferenceAttentionModule
-from lmlab.train import build
+from lmlab.assemble import build_model, vocabulary
+from lmlab.config import ModelOptions
 
 SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=16, vocab_size=23)
 
@@ -54,11 +55,8 @@ class _MLM(Objective):
     special_tokens = ("mask",)
 
 
-class _Variant:
-    def __init__(self, vocab_size=None):
-        self.manifest = {"model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "block_size": 16,
-                                   "vocab_size": vocab_size, "dropout": 0.0, "bias": False, "init_std": 0.02,
-                                   "norm": "layernorm", "norm_eps": 1e-5, "tie_embeddings": True}}
+def _model(vocab_size=None) -> ModelOptions:
+    return ModelOptions(n_layers=2, d_model=32, n_heads=4, block_size=16, vocab_size=vocab_size)
 
 
 class _Tokenizer:
@@ -75,23 +73,23 @@ def test_a_bidirectional_objective_with_a_causal_only_mixer_is_refused_naming_at
     plugins = {"attention": discovery.load("attention", "mamba")(), "position": discovery.load("position", "none")(),
                "ffn": discovery.load("ffn", "mlp")(), "objective": _MLM()}
     with pytest.raises(UserError) as info:
-        build.build_model(_Variant(), SHAPE, plugins)
+        build_model(_model(), SHAPE, plugins)
     assert info.value.key == "attention.use" and "mamba" in str(info.value)
     plugins["attention"] = discovery.load("attention", "mha")()
-    assert build.build_model(_Variant(), SHAPE, plugins).causal is False
+    assert build_model(_model(), SHAPE, plugins).causal is False
 
 
 def test_mask_ids_are_reserved_past_the_tokenizer_and_grow_the_vocabulary():
-    shape, vocab = build.vocabulary(_Variant(), _MLM(), _Tokenizer())
+    shape, vocab = vocabulary(_model(), _MLM(), _Tokenizer())
     assert vocab.special == {"mask": 40} and vocab.tokenizer_size == 40 and shape.vocab_size == vocab.size == 41
-    shape, vocab = build.vocabulary(_Variant(), _MLM(), _Tokenizer(own={"mask": 3}))  # the tokenizer's own
+    shape, vocab = vocabulary(_model(), _MLM(), _Tokenizer(own={"mask": 3}))  # the tokenizer's own
     assert vocab.special == {"mask": 3} and shape.vocab_size == 40
-    shape, vocab = build.vocabulary(_Variant(vocab_size=64), _MLM(), _Tokenizer())  # padded: room already
+    shape, vocab = vocabulary(_model(vocab_size=64), _MLM(), _Tokenizer())  # padded: room already
     assert vocab.special == {"mask": 40} and shape.vocab_size == 64
     with pytest.raises(UserError) as info:
-        build.vocabulary(_Variant(vocab_size=40), _MLM(), _Tokenizer())
+        vocabulary(_model(vocab_size=40), _MLM(), _Tokenizer())
     assert info.value.key == "model.vocab_size" and "special token" in str(info.value)
-    shape, vocab = build.vocabulary(_Variant(), Objective(), _Tokenizer())  # causal-lm: nothing reserved
+    shape, vocab = vocabulary(_model(), Objective(), _Tokenizer())  # causal-lm: nothing reserved
     assert vocab.special == {} and shape.vocab_size == 40
 
 

@@ -65,3 +65,77 @@ def test_the_rule_catches_a_plugin_reaching_into_the_core_and_the_core_importing
         "plugins/lmlab-x/src/lmlab_x/bad.py:3: plugin imports lmlab.train",
         "plugins/lmlab-x/src/lmlab_x/sneaky.py:1: plugin imports lmlab.testing",
     ]
+
+
+def core_import_graph(package: Path) -> dict[str, set[str]]:
+    """module → the core modules it imports, deferred imports (inside functions) included; a package
+    counts as its ``__init__``. ``from lmlab.x import y`` depends on ``lmlab.x.y`` when that is a module,
+    else on ``lmlab.x``."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:  # the longest prefix of name that is a module of ours
+        parts = name.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), None)
+
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.split(".")[0] == package.name}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] == package.name:
+                for a in node.names:  # `from lmlab.x import y`: the module lmlab.x.y, or what lmlab.x defines
+                    full = f"{node.module}.{a.name}"
+                    deps.add(full if full in modules else owner(node.module))
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cores_modules_never_import_each_other_in_a_cycle():
+    assert cycles(core_import_graph(ROOT / "core" / "lmlab")) == []
+
+
+def test_a_cycle_through_a_deferred_import_is_caught(tmp_path):
+    package = tmp_path / "lmlab"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "manifest.py").write_text("def load():\n    from lmlab.validate import check\n")
+    (package / "validate.py").write_text("from lmlab import manifest\n")
+    (package / "tables.py").write_text("import lmlab.errors\n")
+    (package / "errors.py").write_text("")
+    assert cycles(core_import_graph(package)) == [["lmlab.manifest", "lmlab.validate"]]

@@ -14,7 +14,7 @@ import torch
 from lmlab import manifest
 from lmlab.api import IGNORE_INDEX
 from lmlab.cli.main import main
-from lmlab.train import tokens as token_cache
+from lmlab.prepare import tokens as token_cache
 from lmlab.train.batches import FixedDocuments, RandomWindows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def test_sft_on_alpaca_records_trains_from_a_manifest(alpaca_manifest, tmp_path,
 
 def test_padded_sft_batches_score_exactly_each_records_response(alpaca_manifest):
     (variant,) = manifest.load(alpaca_manifest(False))
-    data = token_cache.prepare(variant)
+    data = token_cache.load_tokens(variant)
     objective = variant.instantiate("objective")
     batches = FixedDocuments(data.val, data.document_starts("val"), 64, 8, seed=0,
                              labels=objective.token_labels(data.split("val")))
@@ -102,7 +102,7 @@ def test_padded_sft_batches_score_exactly_each_records_response(alpaca_manifest)
 
 def test_packed_sft_batches_score_only_response_characters(alpaca_manifest):
     (variant,) = manifest.load(alpaca_manifest(True))
-    data = token_cache.prepare(variant)
+    data = token_cache.load_tokens(variant)
     objective = variant.instantiate("objective")
     windows = RandomWindows(data.train, 64, 8, seed=1, rich=True, labels=objective.token_labels(data.split("train")))
     prompt_only = set("IRnstuion:\n")  # letters of the template's words that no response here contains

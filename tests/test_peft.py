@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from lmlab import checkpoint, manifest
 from lmlab.api import UserError, hookimpl
 from lmlab.cli.main import main
-from lmlab.train import adapters, build, runner
+from lmlab.assemble import build_model
+from lmlab.train import adapters, runner
 from conftest import CORPUS, tiny_toml
 from support import run_cli
 
@@ -194,8 +195,8 @@ def test_each_method_trains_only_its_adapter_from_a_manifest(method, tmp_path, b
 
 def _loss_of_state(variant, result, state) -> float:
     """The fixed-batch loss of the adapted model as it was built (the snapshot), rebuilt from scratch."""
-    plugins = build.instantiate_all(variant)
-    model = build.build_model(variant, result.module.model.shape, plugins)
+    plugins = {slot: variant.instantiate(slot) for slot in variant.slots}
+    model = build_model(variant.model, result.module.model.shape, plugins)
     plugins["peft"].apply(model, variant.manifest)
     model.load_state_dict(state, strict=False)
     for key, value in model.state_dict().items():  # strict=False tolerates 4-bit bookkeeping entries only
@@ -243,8 +244,8 @@ def test_the_adapter_file_round_trips_into_a_freshly_adapted_base(tmp_path, base
                                         "weights first: lmlab merge"):
         checkpoint.model_state(run_dir / "checkpoints" / "last.ckpt")
 
-    plugins = build.instantiate_all(variant)
-    fresh = build.build_model(variant, trained.shape, plugins)
+    plugins = {slot: variant.instantiate(slot) for slot in variant.slots}
+    fresh = build_model(variant.model, trained.shape, plugins)
     fresh.load_state_dict(base)
     plugins["peft"].apply(fresh, variant.manifest)
     missing = fresh.load_state_dict(tensors, strict=False).missing_keys

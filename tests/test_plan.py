@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmlab import manifest
+from lmlab.assemble import assemble
 from lmlab.api import Parallel, UserError
 from lmlab.api.layout import Collective, MemoryLayout
 from lmlab.cli.main import main
@@ -143,13 +144,10 @@ def test_the_peak_is_the_largest_moment_of_a_step():
 
 
 def test_parameters_and_optimizer_states_are_counted_on_the_real_model(plan_manifest):
-    from lmlab.train import build
-
     path = plan_manifest()
     plan = _plan(path)
     (variant,) = manifest.load(path)
-    plugins = build.instantiate_all(variant)
-    model = build.build_model(variant, build.model_shape(variant, 96), plugins)
+    model = assemble(variant).model
     assert plan.facts.params == model.num_params()
     assert plan.device.params == 4 * model.num_params() + sum(b.numel() * 4 for b in model.buffers())
     assert plan.facts.optimizer_bytes == 8 * model.num_params()  # AdamW: two fp32 moments
@@ -157,15 +155,12 @@ def test_parameters_and_optimizer_states_are_counted_on_the_real_model(plan_mani
 
 @pytest.mark.parametrize("train", ["", 'precision = "bf16-mixed"', 'checkpointing = "ffn"'])
 def test_activations_measured_on_fake_tensors_equal_what_a_real_forward_saves(plan_manifest, train):
-    from lmlab.train import build
-
     path = plan_manifest(train=train)
     plan = _plan(path)
     (variant,) = manifest.load(path)
-    plugins = build.instantiate_all(variant)
-    model = build.build_model(variant, build.model_shape(variant, 96), plugins)
-    model.set_checkpointing(variant.manifest["train"]["checkpointing"])
-    assert plan.facts.activation_bytes == _saved_bytes(model, plugins["objective"], bf16="bf16" in train)
+    built = assemble(variant)
+    built.model.set_checkpointing(variant.train.checkpointing)
+    assert plan.facts.activation_bytes == _saved_bytes(built.model, built.objective, bf16="bf16" in train)
 
 
 def _saved_bytes(model, objective, bf16: bool = False, vocab: int = 96) -> int:
@@ -192,33 +187,26 @@ def _saved_bytes(model, objective, bf16: bool = False, vocab: int = 96) -> int:
     return total
 
 
-def test_an_objectives_special_tokens_and_batches_are_planned_as_a_run_makes_them(plan_manifest, cache):
+def test_an_objectives_special_tokens_and_batches_are_planned_as_a_run_makes_them(plan_manifest):
     """mlm's [MASK] gets an id past the tokenizer's vocabulary, and its masked batch is what is measured."""
-    from lmlab.train import build, tokens
-
     path = plan_manifest(vocab_size=None, extra='\n[objective]\nuse = "mlm"\n\n[attention]\nuse = "mha"\n')
     plan = _plan(path)
     (variant,) = manifest.load(path)
-    plugins = build.instantiate_all(variant)
-    tokenizer = tokens.prepare(variant).tokenizer
-    assert plan.shape.vocab_size == tokenizer.vocab_size + 1
-    shape, vocab = build.vocabulary(variant, plugins["objective"], tokenizer)
-    plugins["objective"].setup(vocab)
-    model = build.build_model(variant, shape, plugins)
-    model.train()
-    assert plan.facts.activation_bytes == _saved_bytes(model, plugins["objective"], vocab=shape.vocab_size)
+    built = assemble(variant, data=True)  # the tokenizer fitted on the data, as a run's
+    assert plan.shape.vocab_size == built.tokenizer.vocab_size + 1 == built.shape.vocab_size
+    built.model.train()
+    assert plan.facts.activation_bytes == _saved_bytes(built.model, built.objective, vocab=built.shape.vocab_size)
 
 
 def test_a_lora_adapter_is_planned_as_a_run_applies_it(plan_manifest):
     """Only the adapter has gradients and optimizer states, and the frozen base saves fewer activations."""
     pytest.importorskip("lmlab_peft")
-    from lmlab.train import build
 
     path = plan_manifest(extra='\n[peft]\nuse = "lora"\nr = 4\ntargets = ["q", "v"]\n')
     plan, full = _plan(path), _plan(path, overrides=["peft.use=none"])
     (variant,) = manifest.load(path)
-    plugins = build.instantiate_all(variant)
-    model = build.build_model(variant, build.model_shape(variant, 96), plugins)
+    built = assemble(variant)
+    plugins, model = built.plugins, built.model
     plugins["peft"].apply(model, variant.manifest)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,5 +1,6 @@
 """``[train] precision`` and the loss scaler of 16-mixed: bf16 autocast trains like float32 on the
-CPU, 16-mixed (GPUs only) is refused there by name, and the loss_scale_* options reach the scaler."""
+CPU, 16-mixed (GPUs only) is refused there by name (by the parallel plugin's check), and the
+loss_scale_* options reach the scaler each parallel plugin sets up (``Parallel.trainer_precision``)."""
 
 import json
 
@@ -9,7 +10,9 @@ import torch
 from lmlab.cli.main import main
 from lmlab.config import TrainOptions
 from lmlab.errors import UserError
-from lmlab.train.runner import _precision, _trainer
+from lmlab import discovery
+from lmlab.api import CheckContext, ModelShape
+from lmlab.train.runner import _trainer
 
 
 def losses(run_dir):
@@ -43,27 +46,33 @@ def test_16_mixed_on_the_cpu_is_bad_input_naming_train_precision(tiny_manifest, 
 def on_a_gpu_machine(monkeypatch):
     # The scaler objects are built, never used: they need CUDA to be there, not to work.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
 
-def scaler_options(**values):
-    return TrainOptions(precision="16-mixed", **values).model_dump()
+def parallel(name: str, **options):
+    cls = discovery.load("parallel", name)
+    return cls(cls.Options(**options))
+
+
+def scaler_options(**values) -> TrainOptions:
+    return TrainOptions(precision="16-mixed", **values)
 
 
 def test_the_loss_scaler_defaults_are_torchs(on_a_gpu_machine):
-    (plugin,) = _precision(scaler_options(), {"strategy": "auto", "accelerator": "gpu"})["plugins"]
+    (plugin,) = parallel("single", accelerator="gpu").trainer_precision(scaler_options())["plugins"]
     assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval(), plugin.scaler.get_backoff_factor()) == (
         2.0**16, 2000, 0.5)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ddp", "model-parallel"])
-def test_loss_scale_options_reach_the_grad_scaler_of_the_mixed_precision_plugin(on_a_gpu_machine, strategy):
+@pytest.mark.parametrize("name, options", [("single", {}), ("ddp", {"devices": 2}), ("fsdp", {"devices": 2}),
+                                           ("tensor", {"devices": 2})])
+def test_loss_scale_options_reach_the_grad_scaler_of_the_mixed_precision_plugin(on_a_gpu_machine, name, options):
     from lightning.pytorch.plugins.precision import MixedPrecision
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    strategy = {"auto": "auto", "ddp": DDPStrategy(), "model-parallel": ModelParallelStrategy()}[strategy]
+    if not any(p.name == name for p in discovery.installed()["parallel"]):
+        pytest.skip(f"the {name} plugin is not installed")
     cfg = scaler_options(loss_scale_init=1024.0, loss_scale_growth_interval=10, loss_scale_backoff=0.25)
-    kwargs = _precision(cfg, {"strategy": strategy, "accelerator": "cuda"})
+    kwargs = parallel(name, accelerator="cuda", **options).trainer_precision(cfg)
     assert "precision" not in kwargs  # the plugin replaces the flag (which ModelParallelStrategy refuses)
     (plugin,) = kwargs["plugins"]
     assert isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed" and plugin.device == "cuda"
@@ -73,35 +82,33 @@ def test_loss_scale_options_reach_the_grad_scaler_of_the_mixed_precision_plugin(
     assert plugin.scaler.get_backoff_factor() == 0.25
 
 
-def test_fsdp1_gets_the_sharded_grad_scaler_with_the_loss_scale_options(on_a_gpu_machine):
-    from lightning.pytorch.plugins.precision import FSDPPrecision
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    cfg = scaler_options(loss_scale_init=512.0, loss_scale_growth_interval=7, loss_scale_backoff=0.125)
-    (plugin,) = _precision(cfg, {"strategy": FSDPStrategy(), "accelerator": "cuda"})["plugins"]
-    assert isinstance(plugin, FSDPPrecision) and isinstance(plugin.scaler, ShardedGradScaler)
-    assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval(), plugin.scaler.get_backoff_factor()) == (
-        512.0, 7, 0.125)
+def test_deepspeed_takes_the_precision_as_it_is_its_engine_scales_the_loss(on_a_gpu_machine):
+    if not any(p.name == "deepspeed" for p in discovery.installed()["parallel"]):
+        pytest.skip("the deepspeed plugin is not installed")
+    assert parallel("deepspeed", accelerator="cuda").trainer_precision(scaler_options()) == {"precision": "16-mixed"}
 
 
 def test_other_precisions_pass_through_as_lightnings_flag():
     for precision in ("32-true", "bf16-mixed", "bf16-true", "64-true"):
-        assert _precision(TrainOptions(precision=precision).model_dump(), {"accelerator": "cpu"}) == {
+        assert parallel("single", accelerator="cpu").trainer_precision(TrainOptions(precision=precision)) == {
             "precision": precision}
 
 
-def test_16_mixed_is_refused_for_the_cpu_before_any_trainer_exists():
+def test_16_mixed_is_refused_for_the_cpu_before_anything_is_built():
+    context = CheckContext(shape=ModelShape(n_layers=1, d_model=8, n_heads=2, block_size=8, vocab_size=16),
+                           plugins={}, manifest={"train": scaler_options().model_dump()})
     with pytest.raises(UserError, match="train.precision"):
-        _precision(scaler_options(), {"strategy": "auto", "accelerator": "cpu"})
+        parallel("single", accelerator="cpu").check(context)
+    parallel("single", accelerator="cpu").check(CheckContext(**{**vars(context), "machine": False}))  # plan: no machine
 
 
 def test_the_built_trainer_autocasts_bf16_on_the_cpu_without_a_scaler(tmp_path):
     import lightning
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    cfg = TrainOptions(precision="bf16-mixed").model_dump()
-    trainer = _trainer(cfg, tmp_path, lightning.Callback(), {"strategy": "auto", "accelerator": "cpu", "devices": 1})
+    cfg = TrainOptions(precision="bf16-mixed")
+    trainer = _trainer(cfg, tmp_path, lightning.Callback(), {"strategy": "auto", "accelerator": "cpu", "devices": 1},
+                       parallel("single", accelerator="cpu").trainer_precision(cfg))
     plugin = trainer.precision_plugin
     assert isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed" and plugin.scaler is None
 

@@ -23,7 +23,7 @@ from lmlab.api import Tokenizer
 from lmlab.cli.main import main
 from lmlab.prepare import pipeline
 from lmlab.prepare.shards import ShardedTokens
-from lmlab.train import tokens as token_cache
+from lmlab.prepare import tokens as token_cache
 from lmlab.train.batches import FixedWindows, RandomWindows
 from support import ROOT, StopAfter
 
@@ -63,7 +63,7 @@ def test_one_document_gives_the_char_arrays_of_nanogpts_split(tmp_path, corpus_s
     # What training saw before sharding (and what nanoGPT's prepare.py computes): the vocabulary of
     # the first 90 % of the characters, and the two parts encoded without any separator.
     variant = variant_of(write_manifest(tmp_path, f'use = "text-file"\npath = "{corpus_slice}"'))
-    data = token_cache.prepare(variant, root=tmp_path / "cache")
+    data = token_cache.load_tokens(variant, root=tmp_path / "cache")
     text = corpus_slice.read_text()
     cut = int(len(text) * 0.9)
     chars = np.array(sorted(set(text[:cut])))
@@ -81,7 +81,7 @@ def test_documents_go_to_validation_evenly_and_deterministically(tmp_path):
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i:02d}|"}) + "\n" for i in range(25)))
     variant = variant_of(write_manifest(tmp_path, f'use = "jsonl"\npath = "{corpus}"', tokenizer="byte"))
-    data = token_cache.prepare(variant, root=tmp_path / "cache")
+    data = token_cache.load_tokens(variant, root=tmp_path / "cache")
     assert data.index["documents"] == {"train": 23, "val": 2}  # floor(25 * 0.1) = 2: the 10th and 20th
     assert data.tokenizer.decode(np.asarray(data.val)) == "doc 09|doc 19|"
     np.testing.assert_array_equal(data.document_starts("val"), [0, 7])
@@ -91,15 +91,15 @@ def test_the_last_document_is_held_out_when_no_other_was(tmp_path):
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("ab", "ba", "aab")))
     variant = variant_of(write_manifest(tmp_path, f'use = "jsonl"\npath = "{corpus}"'))
-    data = token_cache.prepare(variant, root=tmp_path / "cache")
+    data = token_cache.load_tokens(variant, root=tmp_path / "cache")
     assert data.tokenizer.decode(np.asarray(data.val)) == "aab"
 
 
 @needs_stdlib
 def test_one_worker_or_two_give_byte_identical_shards(tmp_path):
     variant = variant_of(encodings_manifest(tmp_path))
-    one = pipeline.prepare(variant, root=tmp_path / "one", workers=1, shard_mb=0.25, listener=quiet)
-    two = pipeline.prepare(variant, root=tmp_path / "two", workers=2, shard_mb=0.25, listener=quiet)
+    one = pipeline.prepare_corpus(variant, root=tmp_path / "one", workers=1, shard_mb=0.25, listener=quiet)
+    two = pipeline.prepare_corpus(variant, root=tmp_path / "two", workers=2, shard_mb=0.25, listener=quiet)
     assert files_of(one) == files_of(two)
     index = json.loads((one / "index.json").read_text())
     assert len(index["shards"]["train"]) > 1
@@ -111,16 +111,16 @@ def test_one_worker_or_two_give_byte_identical_shards(tmp_path):
 def test_an_interrupted_prepare_resumes_to_byte_identical_shards(tmp_path, stage_event):
     variant = variant_of(encodings_manifest(tmp_path))
     whole = []
-    reference = pipeline.prepare(variant, root=tmp_path / "reference", workers=1, shard_mb=0.1,
+    reference = pipeline.prepare_corpus(variant, root=tmp_path / "reference", workers=1, shard_mb=0.1,
                                  listener=lambda e, i: whole.append(e))
     root = tmp_path / "interrupted"
     with pytest.raises(KeyboardInterrupt):
-        pipeline.prepare(variant, root=root, workers=1, shard_mb=0.1, listener=StopAfter(stage_event, 3))
+        pipeline.prepare_corpus(variant, root=root, workers=1, shard_mb=0.1, listener=StopAfter(stage_event, 3))
     assert not (root / "tokens").exists() and (root / "partial" / reference.name / "state.json").is_file()
     if stage_event == "part":  # the dedup filters' state is checkpointed as arrays, never pickled
         assert [p.suffix for p in (root / "partial" / reference.name).glob("filters-*")] == [".npz"]
     events = []
-    resumed = pipeline.prepare(variant, root=root, workers=1, listener=lambda e, i: events.append((e, i)))
+    resumed = pipeline.prepare_corpus(variant, root=root, workers=1, listener=lambda e, i: events.append((e, i)))
     assert events[0][0] == "resume" and events[0][1]["stage"] == ("filter" if stage_event == "part" else "tokenize")
     # what was finished before the interrupt is kept, not done again
     assert sum(e == stage_event for e, _ in events) == whole.count(stage_event) - 3
@@ -164,7 +164,7 @@ def test_records_get_a_loss_mask_that_scores_responses_and_end_of_document(tmp_p
     corpus.write_text("".join(json.dumps({"instruction": f"say {i % 5}", "output": f"ok {i % 5}"}) + "\n" for i in range(20)))
     variant = variant_of(write_manifest(tmp_path, f'use = "alpaca"\npath = "{corpus}"\n'
                                                   'prompt_template_no_input = "{instruction}: "'))
-    data = token_cache.prepare(variant, root=tmp_path / "cache")
+    data = token_cache.load_tokens(variant, root=tmp_path / "cache")
     assert data.index["masked"] and data.train_mask is not None and data.train_mask.dtype == np.uint8
     first = data.tokenizer.decode(np.asarray(data.train[:11]))
     assert first == "say 0: ok 0"  # no eos with the char tokenizer: documents simply follow each other
@@ -174,6 +174,8 @@ def test_records_get_a_loss_mask_that_scores_responses_and_end_of_document(tmp_p
 
 class EndOfText(Tokenizer):
     """Bytes, with 256 as the end-of-document id: shows where the pipeline puts it."""
+
+    name = "end-of-text"
 
     @property
     def vocab_size(self) -> int:
@@ -195,9 +197,8 @@ def test_the_end_of_document_token_follows_every_document_and_is_scored(tmp_path
     corpus.write_text("".join(json.dumps({"instruction": "q", "output": "a"}) + "\n" for i in range(10)))
     variant = variant_of(write_manifest(tmp_path, f'use = "alpaca"\npath = "{corpus}"\n'
                                                   'prompt_template_no_input = "{instruction}="'))
-    variant.plugins["tokenizer"] = EndOfText
-    variant.manifest["tokenizer"] = {"use": "end-of-text"}
-    data = token_cache.prepare(variant, root=tmp_path / "cache")
+    variant = variant.with_plugin("tokenizer", EndOfText)
+    data = token_cache.load_tokens(variant, root=tmp_path / "cache")
     assert data.index["dtype"] == "uint16"
     np.testing.assert_array_equal(np.asarray(data.train[:6]), [ord("q"), ord("="), ord("a"), 256, ord("q"), ord("=")])
     np.testing.assert_array_equal(np.asarray(data.train_mask[:6]), [0, 0, 1, 1, 0, 0])
@@ -241,7 +242,7 @@ def test_a_second_builder_waits_for_the_first(tmp_path, corpus_slice):
     with open(root / "partial" / f"{key}.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         worker = threading.Thread(target=lambda: results.append(
-            pipeline.prepare(variant, root=root, listener=lambda e, i: events.append(e))))
+            pipeline.prepare_corpus(variant, root=root, listener=lambda e, i: events.append(e))))
         worker.start()
         for _ in range(500):
             if "wait" in events:

@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from lmlab import manifest, pretrained
 from lmlab.api import hookimpl
 from lmlab.checkpoint import model_state
+from lmlab.tables import read_toml
 from lmlab.cli.main import main
 from lmlab.errors import UserError
 from lmlab.interop import llama
-from lmlab.train import build, runner
-from lmlab.train import tokens as token_cache
+from lmlab.assemble import assemble
+from lmlab.train import runner
+from lmlab.prepare import tokens as token_cache
 
 from conftest import CORPUS, tiny_toml
 from support import random_llama
@@ -140,8 +142,7 @@ def test_a_smaller_block_size_cuts_a_learned_position_table(base_run, tmp_path):
     assert small.manifest["model"]["dropout"] == 0.1  # no weights depend on these two
     models = []
     for variant in (base, small):
-        plugins = build.instantiate_all(variant)
-        model = build.build_model(variant, build.model_shape(variant, 0), plugins)
+        model = assemble(variant).model
         if variant is small:
             pretrained.initialise(variant, model)
         else:
@@ -151,7 +152,7 @@ def test_a_smaller_block_size_cuts_a_learned_position_table(base_run, tmp_path):
     with torch.no_grad():
         assert torch.equal(models[0](idx), models[1](idx))
     (large,) = manifest.load(path, ["model.block_size=32"])  # a learned table cannot grow
-    model = build.build_model(large, build.model_shape(large, 0), build.instantiate_all(large))
+    model = assemble(large).model
     with pytest.raises(UserError, match="model.block_size: 32 is larger than the init's 16"):
         pretrained.initialise(large, model)
 
@@ -248,7 +249,7 @@ def test_a_run_from_a_hugging_face_folder_has_its_logits_then_trains(tmp_path, m
 
     assert probe.seen[0] <= 1e-5, probe.seen  # lmlab's logits are transformers' before training
     run_dir = tmp_path / "runs" / "default"
-    resolved = manifest.read_toml(run_dir / "manifest.toml")
+    resolved = read_toml(run_dir / "manifest.toml")
     assert resolved["attention"] == {"use": "gqa", "n_kv_heads": 2} and resolved["model"]["norm"] == "rmsnorm"
     assert resolved["tokenizer"]["use"] == "hf" and resolved["model"]["block_size"] == 32
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -259,7 +260,7 @@ def test_a_run_from_a_hugging_face_folder_has_its_logits_then_trains(tmp_path, m
                                            "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}]
     # The tokens trained on are the pretrained tokenizer's ids, with no special token added.
     (variant,) = manifest.load(path)
-    data = token_cache.prepare(variant)
+    data = token_cache.load_tokens(variant)
     auto = transformers.AutoTokenizer.from_pretrained(folder)
     cut = int(len(text) * 0.9)
     assert data.train[:].tolist() == auto(text[:cut], add_special_tokens=False)["input_ids"]

@@ -117,7 +117,7 @@ def test_use_lists_the_installed_plugins_and_descriptions_are_the_help_texts(sch
     attention = schema["properties"]["attention"]
     installed = sorted({p.name for p in discovery.installed()["attention"]})
     assert attention["properties"]["use"]["enum"] == installed
-    assert attention["properties"]["use"]["default"] == "mha"  # from defaults.toml
+    assert attention["properties"]["use"]["default"] == "mha"  # the slot table's default
     gqa = next(rule["then"] for rule in attention["allOf"] if rule["if"]["properties"]["use"]["const"] == "gqa")
     assert gqa["properties"]["n_kv_heads"]["description"].startswith("key/value heads")
     model = schema["properties"]["model"]["properties"]

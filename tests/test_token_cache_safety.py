@@ -16,7 +16,7 @@ import pytest
 from lmlab import manifest
 from lmlab.api import Filter
 from lmlab.prepare import checkpoint, entry, pipeline, shards
-from lmlab.train import tokens as token_cache
+from lmlab.prepare import tokens as token_cache
 from support import StopAfter, run_cli
 
 
@@ -67,7 +67,7 @@ PARTS = 0.002  # shard_mb: parts of 2 kB, several per corpus
 def interrupted(variant, root: Path, parts: int = 3) -> Path:
     """The partial folder of a build of ``variant`` stopped while filtering, after ``parts`` parts."""
     with pytest.raises(KeyboardInterrupt):
-        pipeline.prepare(variant, root=root, workers=1, shard_mb=PARTS, listener=StopAfter("part", parts))
+        pipeline.prepare_corpus(variant, root=root, workers=1, shard_mb=PARTS, listener=StopAfter("part", parts))
     (partial,) = (p for p in (root / "partial").iterdir() if p.is_dir())
     return partial
 
@@ -76,7 +76,7 @@ def interrupted(variant, root: Path, parts: int = 3) -> Path:
 
 def test_an_exact_dedup_build_interrupted_while_filtering_resumes_from_arrays_to_identical_shards(tmp_path):
     variant = variant_of(write_manifest(tmp_path))
-    reference = pipeline.prepare(variant, root=tmp_path / "reference", workers=1, shard_mb=PARTS, listener=quiet)
+    reference = pipeline.prepare_corpus(variant, root=tmp_path / "reference", workers=1, shard_mb=PARTS, listener=quiet)
     partial = interrupted(variant, tmp_path / "cache")
     state = json.loads((partial / "state.json").read_text())
     saved = partial / state["checkpoint"]["file"]
@@ -85,7 +85,7 @@ def test_an_exact_dedup_build_interrupted_while_filtering_resumes_from_arrays_to
     with np.load(saved, allow_pickle=False) as npz:  # arrays only: loads without unpickling anything
         assert npz["filter0-0"].dtype == np.uint8 and npz["filter0-0"].shape[1] == 16
     events = []
-    resumed = pipeline.prepare(variant, root=tmp_path / "cache", workers=1, listener=lambda e, i: events.append(e))
+    resumed = pipeline.prepare_corpus(variant, root=tmp_path / "cache", workers=1, listener=lambda e, i: events.append(e))
     assert events[0] == "resume"
     assert files_of(resumed) == files_of(reference)
     assert json.loads((reference / "index.json").read_text())["filters"]["exact-dedup"]["documents_dropped"] == 46
@@ -112,14 +112,12 @@ class FirstCopies(Filter):
 
 
 def test_a_corpus_level_filter_without_state_is_not_checkpointed_and_filters_again_from_the_start(tmp_path):
-    variant = variant_of(write_manifest(tmp_path))
-    variant.plugins["filter"] = [FirstCopies]
-    variant.manifest["filter"] = {"use": [FirstCopies.name], FirstCopies.name: {}}
-    reference = pipeline.prepare(variant, root=tmp_path / "reference", workers=1, shard_mb=PARTS, listener=quiet)
+    variant = variant_of(write_manifest(tmp_path)).with_plugin("filter", FirstCopies)
+    reference = pipeline.prepare_corpus(variant, root=tmp_path / "reference", workers=1, shard_mb=PARTS, listener=quiet)
     partial = interrupted(variant, tmp_path / "cache")
     state = json.loads((partial / "state.json").read_text())
     assert state["consumed"] == 0 and state["checkpoint"] is None and not list(partial.glob("filters-*"))
-    resumed = pipeline.prepare(variant, root=tmp_path / "cache", workers=1, listener=quiet)
+    resumed = pipeline.prepare_corpus(variant, root=tmp_path / "cache", workers=1, listener=quiet)
     assert files_of(resumed) == files_of(reference)
 
 
@@ -193,7 +191,7 @@ def test_a_pickle_planted_in_a_partial_build_is_never_unpickled(tmp_path, plant)
     assert control.exists()  # the payload is live: whatever unpickled it would leave its marker
     path = write_manifest(tmp_path)
     variant = variant_of(path)
-    reference = pipeline.prepare(variant, root=tmp_path / "reference", workers=1, listener=quiet)
+    reference = pipeline.prepare_corpus(variant, root=tmp_path / "reference", workers=1, listener=quiet)
     root = tmp_path / "shared"
     partial = interrupted(variant, root)
     marker = tmp_path / "unpickled"
@@ -229,11 +227,11 @@ def damage_checkpoint_name(partial: Path) -> str:
 @pytest.mark.parametrize("damage", [damage_state, damage_checkpoint, damage_checkpoint_name])
 def test_a_damaged_partial_build_starts_over_with_a_warning(tmp_path, capsys, damage):
     variant = variant_of(write_manifest(tmp_path))
-    reference = pipeline.prepare(variant, root=tmp_path / "reference", workers=1, listener=quiet)
+    reference = pipeline.prepare_corpus(variant, root=tmp_path / "reference", workers=1, listener=quiet)
     partial = interrupted(variant, tmp_path / "cache")
     what = damage(partial)
     capsys.readouterr()
-    resumed = pipeline.prepare(variant, root=tmp_path / "cache", workers=1, listener=quiet)
+    resumed = pipeline.prepare_corpus(variant, root=tmp_path / "cache", workers=1, listener=quiet)
     err = capsys.readouterr().err
     assert f"lmlab: warning: the interrupted preparation in {partial} cannot be resumed" in err and what in err
     assert files_of(resumed) == files_of(reference)
@@ -275,13 +273,13 @@ def remove_shard(folder: Path) -> str:
 def test_a_damaged_entry_is_rebuilt_with_a_warning_to_the_same_tokens(tmp_path, capsys, damage, how):
     variant = variant_of(write_manifest(tmp_path))
     root = tmp_path / "cache"
-    first = token_cache.prepare(variant, root=root, workers=1)
+    first = token_cache.load_tokens(variant, root=root, workers=1)
     folder, original = first.directory, files_of(first.directory)
     train = np.asarray(first.train).copy()
     what = damage(folder)
     capsys.readouterr()
     if how == "prepare":
-        again = token_cache.prepare(variant, root=root, workers=1)
+        again = token_cache.load_tokens(variant, root=root, workers=1)
     else:  # the folder's opener checks too
         again = token_cache.open_prepared(variant, folder)
     err = capsys.readouterr().err
@@ -294,13 +292,13 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning_to_the_same_tokens(tmp_path, 
 def test_a_verified_entry_is_used_as_it_is_and_hashed_once_per_process(tmp_path, monkeypatch):
     variant = variant_of(write_manifest(tmp_path))
     root = tmp_path / "cache"
-    folder = pipeline.prepare(variant, root=root, workers=1, listener=quiet)
+    folder = pipeline.prepare_corpus(variant, root=root, workers=1, listener=quiet)
     entry._verified.clear()  # as a new process finds it
     hashed = []
     sha256_file = shards.sha256_file
     monkeypatch.setattr(shards, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
     for _ in range(3):
-        token_cache.prepare(variant, root=root, workers=1)
+        token_cache.load_tokens(variant, root=root, workers=1)
     index = json.loads((folder / "index.json").read_text())
     n_files = sum(len(s["files"]) for split in index["shards"].values() for s in split) + len(index["tokenizer"])
     assert len(hashed) == n_files and len(set(hashed)) == n_files and index["tokenizer"]

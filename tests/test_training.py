@@ -70,17 +70,28 @@ def test_running_again_skips_a_completed_run_and_refuses_a_different_manifest(ti
 
 
 def test_a_failing_variant_is_recorded_and_the_sweep_goes_on(tiny_manifest, tmp_path, capsys):
-    # rope with mamba fails when the model first runs (mamba has no queries to rotate); mha trains.
-    path = tiny_manifest('[position]\nuse = "rope"\n[sweep]\n"attention.use" = ["mamba", "mha"]\n',
-                         steps=2, eval_every=2)
+    # An absurd learning rate without clipping diverges within a few steps; the sane one trains.
+    path = tiny_manifest('[sweep]\n"optimizer.lr" = [1e30, 1e-3]\n', steps=4,
+                         eval_every=2)
     out = tmp_path / "runs"
-    assert run(path, out, "--set", "train.sample_tokens=0") == 1
+    assert run(path, out, "--set", "train.sample_tokens=0", "--set", "train.grad_clip=0") == 1
     err = capsys.readouterr().err
-    failed = json.loads((out / "attention.use=mamba" / "summary.json").read_text())
-    assert failed["status"] == "failed" and "position.use" in failed["error"]
-    assert "Traceback" in (out / "attention.use=mamba" / "error.log").read_text()
-    assert json.loads((out / "attention.use=mha" / "summary.json").read_text())["status"] == "completed"
+    failed = json.loads((out / "optimizer.lr=1e+30" / "summary.json").read_text())
+    assert failed["status"] == "failed" and "diverged" in failed["error"]
+    assert "Traceback" in (out / "optimizer.lr=1e+30" / "error.log").read_text()
+    assert json.loads((out / "optimizer.lr=0.001" / "summary.json").read_text())["status"] == "completed"
     assert "1 of 2 variant(s) did not complete" in err
+
+
+def test_a_variant_that_cannot_run_refuses_the_sweep_before_any_trains(tiny_manifest, tmp_path, capsys):
+    # rope with mamba: mamba has no queries to rotate. Found by the checks, before mha trains.
+    path = tiny_manifest('[position]\nuse = "rope"\n[sweep]\n"attention.use" = ["mha", "mamba"]\n', steps=2,
+                         eval_every=2)
+    out = tmp_path / "runs"
+    assert run(path, out, "--set", "train.sample_tokens=0") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmlab: error: position.use:") and err.endswith("(variant attention.use=mamba)"), err
+    assert not out.exists()
 
 
 def test_variants_share_one_token_cache(tiny_manifest, tmp_path, monkeypatch):

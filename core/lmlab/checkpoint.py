@@ -125,10 +125,3 @@ def state_of(checkpoint: dict) -> dict:
     prefix = "model."
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     return {k.replace("_orig_mod.", ""): v for k, v in state.items()}  # saved from a compiled model
-
-
-def load_model_weights(model, path: Path) -> int:
-    """Load the LanguageModel weights of a Lightning checkpoint; returns its global step."""
-    state, step = model_state(path)
-    model.load_state_dict(state)
-    return step

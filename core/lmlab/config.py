@@ -7,6 +7,10 @@ from typing import Literal
 from pydantic import ConfigDict, model_validator
 
 from lmlab.api import Field, Options
+from lmlab.tables import CORE_TABLE_NAMES
+
+#: What activation checkpointing recomputes in backward (``LanguageModel.set_checkpointing``).
+CHECKPOINTING = ("none", "full", "ffn", "attention")
 
 
 class ModelOptions(Options):
@@ -54,7 +58,7 @@ class TrainOptions(Options):
     checkpoint_every: int = Field(250, gt=0, help="write checkpoints/last.ckpt every this many steps")
     log_every: int = Field(10, gt=0, help="write a metrics.jsonl line every this many steps")
     compile: bool = Field(False, help="torch.compile the model (compile time is reported apart, as compile_s)")
-    checkpointing: Literal["none", "full", "ffn", "attention"] = Field(
+    checkpointing: Literal[CHECKPOINTING] = Field(
         "none", help="activation checkpointing: recompute this part of each block in backward to save memory")
     threads: int | None = Field(None, gt=0, help="torch intra-op threads (default: torch's choice)")
     sample_tokens: int = Field(200, ge=0, help="tokens of text to generate at the end (0: none)")
@@ -62,7 +66,9 @@ class TrainOptions(Options):
 
     @model_validator(mode="after")
     def _warmup_fits(self):
-        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
+        # decay_steps = max_steps is what the default stands for (a run shorter than its warmup
+        # records it so), not a choice to refuse.
+        if self.decay_steps is not None and self.decay_steps < self.warmup_steps and self.decay_steps != self.max_steps:
             raise ValueError("decay_steps must not be smaller than warmup_steps")
         return self
 
@@ -84,6 +90,7 @@ class InitOptions(Options):
                                     "lacks keep their fresh initialisation, and extra ones are ignored)")
 
 
-CORE_TABLES: dict[str, type[Options]] = {"model": ModelOptions, "train": TrainOptions, "init": InitOptions}
+CORE_TABLES: dict[str, type[Options]] = dict(zip(CORE_TABLE_NAMES, (ModelOptions, TrainOptions, InitOptions),
+                                                  strict=True))
 #: Core tables resolved only when a manifest has them (the others are filled with their defaults).
 OPTIONAL_TABLES = frozenset({"init"})

@@ -12,11 +12,9 @@ from functools import cache
 from pathlib import Path
 
 from lmlab.errors import UserError
+from lmlab.slots import MANY_SLOTS, SLOTS  # noqa: F401 — what discovery knows, re-exported
 
 GROUP_PREFIX = "lmlab."
-SLOTS = ("data", "filter", "tokenizer", "position", "attention", "ffn", "objective", "optimizer",
-         "parallel", "peft", "decoding", "tracker", "monitor", "compress")
-MANY_SLOTS = frozenset({"filter", "monitor", "compress"})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ class UserError(Exception):
     """
 
     def __init__(self, message: str, key: str | None = None):
-        self.key = key
+        self.key, self.message = key, message
         super().__init__(f"{key}: {message}" if key else message)
 
 

@@ -1,8 +1,9 @@
-"""TOML manifest → validated, fully resolved variants.
+"""TOML manifest → validated, fully resolved variants (:class:`lmlab.variant.Variant`).
 
-Order of resolution: the packaged defaults (plugin names only), then the manifest, then ``--set``
-overrides, then one variant per point of the ``[sweep]`` grid. Each variant is validated on its own,
-against the core's tables and the options of the plugins it names, and every error names the key.
+Order of resolution: the slot table's defaults (plugin names only), then the manifest, then ``--set``
+overrides, then one variant per point of the ``[sweep]`` grid. Each variant is validated on its own
+(:mod:`lmlab.validate`), against the core's tables and the options of the plugins it names, and every
+error names the key.
 """
 
 import copy
@@ -14,117 +15,73 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmlab.discovery import MANY_SLOTS, SLOTS, did_you_mean
+from lmlab.discovery import did_you_mean
 from lmlab.errors import UserError
+from lmlab.slots import DEFAULT_PLUGINS, SLOTS
+from lmlab.tables import CORE_TABLE_NAMES, TOP_LEVEL, read_toml
 
-TOP_LEVEL = ("name", "seed", "description", "sweep")
 LINKED = "linked"  # the [sweep] axis whose entries each set several keys together
-CORE_TABLE_NAMES = ("model", "train", "init")
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_SEED_PART = re.compile(r"(^|,)seed=-?\d+")
+DEFAULT_SEED = 1337
 MAX_VARIANTS = 10_000  # beyond this a grid is a mistake, and expanding it would exhaust memory
 NAME_MAX = 255  # bytes in a folder name on Linux and macOS file systems
 
 
-def seedless(variant_name: str) -> str:
-    """``attention.use=gqa,seed=2`` → ``attention.use=gqa``: the name its seeds share."""
-    return _SEED_PART.sub("", variant_name).strip(",") or "default"
-
-
 @dataclass
-class Variant:
-    """One run of a manifest: its readable name, its resolved manifest and its plugin classes."""
+class Point:
+    """What resolution knows of one point of the grid besides its manifest: how it came about."""
 
-    name: str
-    manifest: dict[str, Any]  # fully resolved, JSON/TOML-serialisable
-    plugins: dict[str, Any] = field(default_factory=dict)  # slot → class (many-slots: list of classes)
-    base_dir: Path = Path(".")
-    notes: list[str] = field(default_factory=list)  # what resolution changed that the user should know
-    peer_keys: tuple[str, ...] = ()  # dotted keys of every variant of the same manifest (for trackers)
-
-    @property
-    def group(self) -> str:
-        """The variant's name without its seed: what its seeds have in common."""
-        return seedless(self.name)
-
-    def options(self, slot: str, plugin: str | None = None):
-        """The validated Options instance of a slot's plugin."""
-        table = self.manifest[slot]
-        values = table.get(plugin, {}) if plugin else {k: v for k, v in table.items() if k != "use"}
-        cls = self.plugins[slot]
-        if plugin:
-            cls = next(c for c in cls if c.name == plugin)
-        return cls.Options.model_validate(values, context={"base_dir": self.base_dir})
-
-    def instantiate(self, slot: str):
-        """A plugin instance for a single-valued slot, or a list of them for a many-valued one."""
-        if slot in MANY_SLOTS:
-            return [c(self.options(slot, c.name)) for c in self.plugins.get(slot, [])]
-        return self.plugins[slot](self.options(slot))
+    settings: dict[str, Any] = field(default_factory=dict)  # the [sweep] keys set at this point
+    switched: set[str] = field(default_factory=set)  # slots whose plugin an override or the sweep changed
+    explicit: list[str] = field(default_factory=list)  # dotted keys the user set (not the defaults)
 
 
-def read_toml(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise UserError("no such manifest file", key=str(path)) from None
-    except IsADirectoryError:
-        raise UserError("is a folder, not a manifest file", key=str(path)) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"malformed TOML: {exc}", key=str(path)) from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"is not a TOML manifest: not UTF-8 text (byte {exc.start})", key=str(path)) from None
-    except OSError as exc:
-        raise UserError(f"cannot be read: {exc.strerror}", key=str(path)) from None
-
-
-def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True) -> list[Variant]:
+def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True) -> list:
     """Every variant of the manifest at ``path`` with ``overrides`` ("dotted.key=value") applied.
 
     ``resolve_init=False`` leaves out the ``[init]`` table: for a run folder's own manifest.toml, whose
     tables are resolved already and whose weights come from its own checkpoints (``lmlab generate``),
     so that the run still loads when the run it was fine-tuned from has moved.
     """
+    import dataclasses
+
+    from lmlab.validate import validate_variant  # imports the named plugins, pydantic and torch
+
     path = Path(path)
     raw = read_toml(path)
     if not resolve_init:
         raw.pop("init", None)
-    merged = _deep_merge(_defaults(), raw)
-    explicit = _dotted_keys(raw)
-    for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(merged, key, value, source=f"--set {item}")
-        explicit.append(key)
+    merged = _deep_merge(defaults(), raw)
     # What the user set, as opposed to the defaults: [init] refuses only values the user gave that
     # contradict the init (lmlab.pretrained); the sweep's keys are added per variant.
-    merged["_explicit"] = explicit
+    base = Point(explicit=_dotted_keys(raw))
+    for item in overrides:
+        key, value = _parse_override(item)
+        if _set_dotted(merged, key, value, source=f"--set {item}"):
+            base.switched.add(key.split(".")[0])
+        base.explicit.append(key)
     sweep = merged.pop("sweep", {})
     if not isinstance(sweep, dict):
         raise UserError("must be a table of dotted keys to lists", key="sweep")
     base_dir = path.resolve().parent
-    variants = [_resolve(name, manifest, base_dir) for name, manifest in _expand(merged, sweep)]
+    variants = [validate_variant(name, manifest, base_dir, point) for name, manifest, point in _expand(merged, sweep, base)]
     peer_keys = tuple(sorted({key for v in variants for key in _dotted_keys(v.manifest)}))
-    for variant in variants:
-        variant.peer_keys = peer_keys
-    return variants
+    return [dataclasses.replace(v, peer_keys=peer_keys) for v in variants]
+
+
+def defaults() -> dict:
+    """What a manifest gets for what it leaves out: the seed, and each slot's default plugin (names
+    only: a plugin's options default in its own Options class)."""
+    return {"seed": DEFAULT_SEED, **{slot: {"use": plugin} for slot, plugin in DEFAULT_PLUGINS.items()}}
 
 
 def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
     keys = []
     for key, value in tree.items():
-        if key.startswith("_"):
-            continue
         if isinstance(value, dict):
             keys += _dotted_keys(value, f"{prefix}{key}.")
         else:
             keys.append(f"{prefix}{key}")
     return keys
-
-
-def _defaults() -> dict:
-    with open(Path(__file__).with_name("defaults.toml"), "rb") as f:
-        return tomllib.load(f)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -152,10 +109,13 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def _set_dotted(tree: dict, key: str, value: Any, source: str) -> None:
+def _set_dotted(tree: dict, key: str, value: Any, source: str) -> bool:
+    """Set ``key`` in ``tree``; True when it switches a slot's plugin (``<slot>.use`` to another one):
+    validation then keeps the table's options the new plugin declares and drops (with a note) those it
+    does not, so `n_kv_heads` survives a sweep over mha/gqa/mqa."""
     parts = key.split(".")
-    if parts[0] not in (*TOP_LEVEL, *SLOTS, *CORE_TABLE_NAMES):
-        known = (*TOP_LEVEL, *SLOTS, *CORE_TABLE_NAMES)
+    known = (*TOP_LEVEL, *SLOTS, *CORE_TABLE_NAMES)
+    if parts[0] not in known:
         raise UserError(f"unknown slot or table {parts[0]!r} in {source}{did_you_mean(parts[0], known)}", key=key)
     node = tree
     for part in parts[:-1]:
@@ -163,15 +123,13 @@ def _set_dotted(tree: dict, key: str, value: Any, source: str) -> None:
         if not isinstance(child, dict):
             raise UserError(f"{part!r} is not a table ({source})", key=key)
         node = child
-    if len(parts) == 2 and parts[1] == "use" and node.get("use") != value:
-        # Switching plugins: validation keeps the table's options the new plugin declares and
-        # drops (with a note) those it does not, so `n_kv_heads` survives a sweep over mha/gqa/mqa.
-        tree.setdefault("_switched", []).append(parts[0])
+    switched = len(parts) == 2 and parts[1] == "use" and node.get("use") != value
     node[parts[-1]] = value
+    return switched
 
 
-def _expand(merged: dict, sweep: dict):
-    """(variant name, manifest) for each point of the sweep grid, seeds innermost."""
+def _expand(merged: dict, sweep: dict, base: Point):
+    """(variant name, manifest, Point) for each point of the sweep grid, seeds innermost."""
     seeds = sweep.get("seeds")
     axes = {k: v for k, v in sweep.items() if k != "seeds"}
     for key, values in axes.items():
@@ -198,32 +156,32 @@ def _expand(merged: dict, sweep: dict):
         raise UserError(f"{shape} = {size:,} variants; a sweep holds at most {MAX_VARIANTS:,} (split it into "
                         "several manifests, or sample the grid)", key="sweep")
     grid = list(itertools.product(*axes.values())) or [()]
-    for point in grid:
+    for values in grid:
         for seed in seeds or [None]:
             manifest = copy.deepcopy(merged)
+            point = Point(switched=set(base.switched), explicit=list(base.explicit))
             parts = []
-            settings = {}
-            for key, value in zip(axes, point):
+            for key, value in zip(axes, values):
                 # A `linked` entry is one point of several keys at once, e.g. a learning rate tuned
                 # per method: {peft = {use = "lora", r = 8}, "optimizer.lr" = 2e-3}.
-                settings.update(value if key == LINKED else {key: value})
-            for key, value in settings.items():
+                point.settings.update(value if key == LINKED else {key: value})
+            for key, value in point.settings.items():
                 if isinstance(value, dict) and "." not in key:
                     # A whole table per point: linked options that a product of axes cannot
                     # express, e.g. {use = "moe", top_k = 2, hidden = 256} against {use = "mlp"}.
                     manifest[key] = copy.deepcopy(value)
-                else:
-                    _set_dotted(manifest, key, value, source=f"[sweep] {key!r}")
+                elif _set_dotted(manifest, key, value, source=f"[sweep] {key!r}"):
+                    point.switched.add(key.split(".")[0])
                 parts.append(f"{key}={_short(value)}")
+            point.explicit += point.settings
             if seed is not None:
                 manifest["seed"] = seed
                 parts.append(f"seed={seed}")
-            manifest["_sweep"] = settings
             name = ",".join(parts) or "default"
             if len(name.encode()) > NAME_MAX:  # the variant's folder could not be created
                 raise UserError(f"the variant name {name[:60]}... is {len(name.encode())} bytes long, more than a "
                                 f"folder name may be ({NAME_MAX}); sweep over shorter values", key="sweep")
-            yield name, manifest
+            yield name, manifest, point
 
 
 def _check_axis_key(key: str, where: str) -> None:
@@ -238,9 +196,3 @@ def _short(value: Any) -> str:
         return "+".join(items)
     text = value if isinstance(value, str) else repr(value).replace(" ", "")
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", str(text))
-
-
-def _resolve(variant_name: str, manifest: dict, base_dir: Path) -> Variant:
-    from lmlab.validate import validate_variant  # imports the named plugins, pydantic and torch
-
-    return validate_variant(variant_name, manifest, base_dir)

@@ -11,10 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.api import InferenceCache, MixerContext, ModelShape, ParamInfo
+from lmlab.config import CHECKPOINTING
 from lmlab.norms import build_norm
-
-
-CHECKPOINTING = ("none", "full", "ffn", "attention")
 
 
 class Block(nn.Module):
@@ -74,7 +72,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.shape = shape
         # False for a bidirectional objective (masked LM): every mixer sees the whole window. The
-        # caller (train.build) has checked that the attention plugin supports it.
+        # caller (lmlab.assemble) has checked that the attention plugin supports it.
         self.causal = causal
         self.block_size = shape.block_size
         self.vocab_size = shape.vocab_size

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from lmlab.checkpoint import problem as checkpoint_problem
 from lmlab.errors import UserError
+from lmlab.tables import read_toml, validate_options
 
 #: The tables an init decides.
 GOVERNED = ("model", "position", "attention", "ffn", "tokenizer")
@@ -117,8 +118,6 @@ def _run_tokenizer(run: Path, refuse) -> Path:
 def source_tables(source: Source) -> dict[str, dict]:
     """The init's [model], [position], [attention], [ffn] and [tokenizer] tables."""
     if source.kind == RUN:
-        from lmlab.manifest import read_toml
-
         recorded = read_toml(source.folder / "manifest.toml")
         absent = [t for t in GOVERNED if not isinstance(recorded.get(t), dict)]
         if absent:
@@ -137,11 +136,10 @@ def source_tables(source: Source) -> dict[str, dict]:
 
 # -- validation -------------------------------------------------------------------------------------
 
-def merge_tables(manifest: dict, init, explicit: list[str] | None, base_dir: Path) -> dict:
+def merge_tables(manifest: dict, source: Source, explicit: list[str] | None, base_dir: Path) -> dict:
     """``manifest`` with the init's tables in place of its own; a UserError naming the key for a value
     the manifest sets (``explicit``: the dotted keys the user gave; None: every key present) that the
-    init contradicts. ``init`` is the validated [init] table."""
-    source = locate(init.from_, init.checkpoint)
+    init contradicts. ``source`` is where [init] from was found (:func:`locate`)."""
     tables = source_tables(source)
     out = dict(manifest)
     for table in GOVERNED:
@@ -163,7 +161,6 @@ def _user_keys(table: str, values: dict, explicit: list[str] | None) -> list[str
 def _check_agreement(table: str, theirs: dict, mine: dict, source: Source, base_dir: Path) -> None:
     from lmlab import discovery
     from lmlab.config import CORE_TABLES
-    from lmlab.validate import validate_options
 
     def refuse(key: str, was, now, what: str):
         was, now = ("unset" if v is None else repr(v) for v in (was, now))
@@ -199,19 +196,17 @@ def _check_agreement(table: str, theirs: dict, mine: dict, source: Source, base_
 
 def tokenizer_dir(variant) -> Path | None:
     """Where the init's fitted tokenizer is (for the tokenizer plugin's ``load``); None without [init]."""
-    init = variant.manifest.get("init")
-    if not init:
-        return None
-    return locate(Path(init["from"]), init["checkpoint"]).tokenizer_dir
+    return variant.init_source.tokenizer_dir if variant.init_source is not None else None
 
 
-def tokenizer_digest(variant) -> str | None:
+def tokenizer_digest(variant, tokenizer=None) -> str | None:
     """SHA-256 of the init's fitted tokenizer as the tokenizer plugin saves it (part of the token
-    cache's key: two inits whose tokenizers differ never share tokens); None without [init]."""
+    cache's key: two inits whose tokenizers differ never share tokens); None without [init]. The
+    init's tokenizer is loaded into ``tokenizer`` (the variant's instance; a new one by default)."""
     directory = tokenizer_dir(variant)
     if directory is None:
         return None
-    tokenizer = variant.instantiate("tokenizer")
+    tokenizer = tokenizer if tokenizer is not None else variant.instantiate("tokenizer")
     tokenizer.load(directory)
     digest = hashlib.sha256()
     with tempfile.TemporaryDirectory(prefix="lmlab-tokenizer-") as tmp:
@@ -228,10 +223,9 @@ def initialise(variant, model, run_dir: Path | None = None, resuming: bool = Fal
     """Load the [init]'s weights into ``model`` (just built, not yet wrapped or sharded) and return the
     record of where they came from; None without [init]. ``resuming``: the run continues from its own
     last.ckpt, so nothing is loaded and the record is the one written when it started."""
-    init = variant.manifest.get("init")
-    if not init:
+    source = variant.init_source
+    if source is None:
         return None
-    source = locate(Path(init["from"]), init["checkpoint"])
     if resuming:
         recorded = _recorded(run_dir)
         return recorded if recorded else {"from": str(source.path), "format": source.kind,
@@ -251,7 +245,7 @@ def initialise(variant, model, run_dir: Path | None = None, resuming: bool = Fal
             raise UserError(f"reading Hugging Face weights needs the safetensors package ({exc}): "
                             "pip install safetensors", key="init.from") from None
         their_block = None  # RoPE: no weight depends on the context length
-    load_state(model, state, strict=init["strict"], their_block_size=their_block, source=source.path)
+    load_state(model, state, strict=variant.init.strict, their_block_size=their_block, source=source.path)
     record = {"from": str(source.path), "format": source.kind,
               "weights": [{"path": str(p), "sha256": sha256(p)} for p in source.weights]}
     if step is not None:

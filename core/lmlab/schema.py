@@ -18,9 +18,10 @@ from collections.abc import Callable
 from lmlab import __version__, discovery
 from lmlab.api import API_VERSION, SLOT_BASES, Plugin
 from lmlab.config import CORE_TABLES
-from lmlab.discovery import MANY_SLOTS, SLOTS
+from lmlab.slots import MANY_SLOTS, SLOTS
 from lmlab.errors import UserError
-from lmlab.manifest import NAME_PATTERN, _defaults
+from lmlab.manifest import defaults as manifest_defaults
+from lmlab.tables import NAME_PATTERN
 from lmlab.validate import REQUIRED_SLOTS
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -51,7 +52,7 @@ def manifest_schema(plugins: dict[str, dict[str, type]] | None = None,
     warn = warn or (lambda message: print(f"lmlab: warning: {message}", file=sys.stderr))
     if plugins is None:
         plugins = installed_plugins(warn)
-    defaults = _defaults()
+    defaults = manifest_defaults()
     defs: dict = {}
     properties: dict = {
         "name": {"type": "string", "pattern": NAME_PATTERN.pattern,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.attention import Attention, AttentionModule, MixerContext
     from lmlab.api.batch import IGNORE_INDEX, Batch, Windows
+    from lmlab.api.check import CheckContext
     from lmlab.api.cache import InferenceCache, KVCache, LayerState
     from lmlab.api.data import DataOptions, DataSource, Document, Record, Segment, document_text
     from lmlab.api.decoding import Decoder, Stepper
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.objective import Objective, TokenSplit, Vocabulary
     from lmlab.api.optimizer import Optimizer, OptimizerOptions, ParamInfo
     from lmlab.api.options import Field, Options
-    from lmlab.api.parallel import Parallel, resolve_devices
+    from lmlab.api.parallel import LaunchOptions, Parallel, loss_scaling, resolve_devices
     from lmlab.api.peft import Peft, module_roles, resolve_roles
     from lmlab.api.plugin import Plugin
     from lmlab.api.position import Position, PositionModule
@@ -43,6 +44,7 @@ _EXPORTS = {
     "IGNORE_INDEX": "lmlab.api.batch",
     "Batch": "lmlab.api.batch",
     "Windows": "lmlab.api.batch",
+    "CheckContext": "lmlab.api.check",
     "InferenceCache": "lmlab.api.cache",
     "KVCache": "lmlab.api.cache",
     "LayerState": "lmlab.api.cache",
@@ -72,7 +74,9 @@ _EXPORTS = {
     "ParamInfo": "lmlab.api.optimizer",
     "Field": "lmlab.api.options",
     "Options": "lmlab.api.options",
+    "LaunchOptions": "lmlab.api.parallel",
     "Parallel": "lmlab.api.parallel",
+    "loss_scaling": "lmlab.api.parallel",
     "resolve_devices": "lmlab.api.parallel",
     "Peft": "lmlab.api.peft",
     "module_roles": "lmlab.api.peft",
@@ -87,20 +91,15 @@ _EXPORTS = {
     "API_VERSION": "lmlab.api.version",
 }
 
-#: Slots of DESIGN.md without a base class of their own (monitor, compress) take any Plugin subclass.
-_SLOT_BASES = {
-    "data": "DataSource", "tokenizer": "Tokenizer", "position": "Position", "attention": "Attention",
-    "ffn": "FFN", "objective": "Objective", "optimizer": "Optimizer", "parallel": "Parallel",
-    "decoding": "Decoder", "tracker": "Tracker",
-    "filter": "Filter", "peft": "Peft", "monitor": "Plugin", "compress": "Plugin",
-}
 
 __all__ = ["SLOT_BASES", *_EXPORTS]
 
 
 def __getattr__(name: str):
-    if name == "SLOT_BASES":  # slot name → the base class its plugins derive from
-        value = {slot: __getattr__(base) for slot, base in _SLOT_BASES.items()}
+    if name == "SLOT_BASES":  # slot name → the base class its plugins derive from (lmlab.slots)
+        from lmlab.slots import TABLE
+
+        value = {slot.name: __getattr__(slot.base) for slot in TABLE}
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:

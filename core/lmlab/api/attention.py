@@ -79,6 +79,9 @@ class AttentionModule(nn.Module):
 
 
 class Attention(Plugin):
+    """The token mixer of each block: :meth:`build` makes one :class:`AttentionModule` per layer, causal,
+    and bidirectional too when the plugin declares :attr:`bidirectional`."""
+
     slot = "attention"
     #: Whether the modules honour ``MixerContext.causal = False`` (API 1.4). A model for a bidirectional
     #: objective (``mlm``) is built only with a plugin that says True; ``lmlab.testing.check_attention``

@@ -3,7 +3,7 @@
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Iterable, Union
+from typing import Callable, ClassVar, Iterable, Union
 
 from lmlab.api.options import Field, Options
 from lmlab.api.plugin import Plugin
@@ -79,6 +79,10 @@ class DataSource(Plugin):
 
     slot = "data"
     Options = DataOptions
+    #: What :meth:`documents` yields, when the plugin can say before reading (API 1.6): True, only
+    #: :class:`Record`\ s; False, only plain text; None, it depends on the data. An objective that scores
+    #: only parts of Records (``sft``) refuses plain text at ``lmlab check`` instead of at the first batch.
+    yields_records: ClassVar[bool | None] = None
 
     def documents(self) -> Iterable[Document]:
         raise NotImplementedError

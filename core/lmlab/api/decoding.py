@@ -8,6 +8,8 @@ from lmlab.api.plugin import Plugin
 
 
 class Decoder(Plugin):
+    """How text is generated from a trained model: :meth:`generate` continues a prompt of token ids."""
+
     slot = "decoding"
 
     def generate(self, model: LanguageModel, prompt: torch.Tensor, max_new_tokens: int,

@@ -45,6 +45,9 @@ class FFNModule(nn.Module):
 
 
 class FFN(Plugin):
+    """The position-wise part of each block (an MLP, a gated unit, a mixture of experts): :meth:`build`
+    makes one :class:`FFNModule` per layer."""
+
     slot = "ffn"
 
     def build(self, shape: ModelShape, layer: int) -> FFNModule:

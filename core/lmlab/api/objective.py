@@ -71,6 +71,10 @@ LabelFunction = Callable[[np.ndarray], np.ndarray]
 
 
 class Objective(Plugin):
+    """What the model learns: how a batch of token windows (or documents) becomes inputs and targets,
+    and the loss over them. It also says what it needs of the model and the data: causal or not,
+    special tokens, windows or padded documents, per-token labels."""
+
     slot = "objective"
 
     #: False: every position sees the whole window (bidirectional attention), e.g. masked LM (API 1.4).

@@ -23,6 +23,9 @@ class OptimizerOptions(Options):
 
 
 class Optimizer(Plugin):
+    """How the parameters are updated: :meth:`build` makes the ``torch.optim.Optimizer`` once, from the
+    model's parameters and what it says of each (``ParamInfo``: decayed or not)."""
+
     slot = "optimizer"
     Options = OptimizerOptions
 

@@ -1,9 +1,13 @@
-"""The parallel slot: how the run is laid out over devices and nodes (a Lightning strategy)."""
+"""The parallel slot: how the run is laid out over devices and nodes (a Lightning strategy), at which
+precision, and the launch options every multi-process plugin shares."""
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+
+from pydantic import PositiveInt
 
 from lmlab.api.errors import UserError
 from lmlab.api.layout import MemoryLayout
+from lmlab.api.options import Field, Options
 from lmlab.api.plugin import Plugin
 
 if TYPE_CHECKING:
@@ -17,13 +21,79 @@ if TYPE_CHECKING:
     LossFn = Callable[["torch.Tensor", "Batch"], "torch.Tensor"]
 
 
+class LaunchOptions(Options):
+    """Where the processes of a multi-process parallel plugin run (API 1.6): the options every such
+    plugin shares, so that a manifest says them the same way whatever the strategy. A plugin's Options
+    subclass these and may narrow ``accelerator`` to the device types its strategy supports."""
+
+    devices: PositiveInt | Literal["auto"] = Field(
+        "auto", help="processes (devices) per node; auto = every GPU, or 1 on the CPU")
+    num_nodes: int = Field(1, ge=1, help="number of machines")
+    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps"] = Field("auto", help="device type")
+    backend: str | None = Field(
+        None, help="torch.distributed backend (nccl, gloo, ...); default nccl on GPUs, gloo on the CPU")
+
+    def processes(self) -> tuple[str, int, int]:
+        """(device type, processes per node, processes in all), checked against this machine
+        (:func:`resolve_devices`)."""
+        kind, per_node = resolve_devices(self.accelerator, self.devices)
+        return kind, per_node, per_node * self.num_nodes
+
+    def planned_processes(self, world_size: int | None) -> tuple[int, int]:
+        """(processes per node, processes in all) for ``lmlab plan``: ``world_size`` when it asks for
+        one, else the options, ``auto`` counting this machine's GPUs (one process on a CPU-only one)."""
+        import torch
+
+        per_node = self.devices if self.devices != "auto" else (torch.cuda.device_count() or 1)
+        return per_node, world_size or per_node * self.num_nodes
+
+
 class Parallel(Plugin):
+    """How a run is laid out over devices and nodes: the Lightning strategy and its launch
+    (:meth:`trainer_kwargs`), the precision it trains in (:meth:`trainer_precision`), how it shards or
+    splits the model (:meth:`configure_model`) and how ``lmlab plan`` lays out its memory
+    (:meth:`memory_layout`)."""
+
     slot = "parallel"
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``lightning.Trainer``: ``strategy``, ``accelerator``, ``devices``,
         ``num_nodes``. Called once, when the trainer is built; import Lightning here, not at the top."""
         raise NotImplementedError
+
+    def device_type(self) -> str:
+        """The device type the processes train on: ``"cuda"``, ``"mps"`` or ``"cpu"`` (API 1.6). The
+        default reads the options' ``accelerator`` (``"auto"`` without one) through
+        :func:`resolve_devices`: a UserError naming ``parallel.accelerator`` when the machine lacks it."""
+        return resolve_devices(getattr(self.options, "accelerator", "auto"), 1)[0]
+
+    def trainer_precision(self, train) -> dict[str, Any]:
+        """The Trainer's precision arguments for ``[train]`` (``train.precision``, and the
+        ``train.loss_scale_*`` options under ``16-mixed``), API 1.6: ``{"precision": ...}`` or
+        ``{"plugins": [...]}``. Called once, when the trainer is built. The default: the precision as
+        it is, and under ``16-mixed`` Lightning's mixed precision with a loss scaler that takes the
+        loss-scale options (Lightning's own would ignore them); a strategy that scales otherwise
+        (FSDP's sharded scaler, DeepSpeed's config) overrides it."""
+        if train.precision != "16-mixed":
+            return {"precision": train.precision}
+        import torch
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        device = self.device_type()
+        return {"plugins": [MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, **loss_scaling(train)))]}
+
+    def check(self, context) -> None:
+        """The default refuses, on this machine (``context.machine``), an accelerator it lacks and
+        ``16-mixed`` on the CPU. A plugin that overrides it calls it too."""
+        if not context.machine:
+            return
+        options = self.options
+        if isinstance(options, LaunchOptions):
+            options.processes()
+        device = self.device_type()
+        if context.manifest["train"]["precision"] == "16-mixed" and device == "cpu":
+            raise UserError("16-mixed (float16 autocast with loss scaling) needs a GPU; on the CPU use bf16-mixed",
+                            key="train.precision")
 
     def configure_model(self, model: "nn.Module", device_mesh: "DeviceMesh") -> None:
         """Shard or split ``model`` in place over ``device_mesh``; returns nothing.
@@ -99,6 +169,12 @@ class Parallel(Plugin):
         """
         raise UserError(f"parallel plugin {self.name!r} does not describe its memory layout "
                         "(Parallel.memory_layout), so lmlab plan cannot plan it", key="parallel.use")
+
+
+def loss_scaling(train) -> dict[str, Any]:
+    """``torch.amp.GradScaler``'s keyword arguments from ``[train]``'s loss-scale options."""
+    return {"init_scale": train.loss_scale_init, "growth_interval": train.loss_scale_growth_interval,
+            "backoff_factor": train.loss_scale_backoff}
 
 
 def resolve_devices(accelerator: str, devices: int | str) -> tuple[str, int]:

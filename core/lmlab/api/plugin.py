@@ -21,5 +21,11 @@ class Plugin:
     def __init__(self, options: Options | None = None):
         self.options = options if options is not None else self.Options()
 
+    def check(self, context) -> None:
+        """Called before anything is built or read, by ``lmlab check`` and by ``lmlab run`` before it
+        prepares the data (API 1.6): refuse, with a ``UserError`` naming the manifest key, a setting
+        this plugin cannot work with in this variant — against the model's shape, the other plugins,
+        this machine (``context``: a :class:`lmlab.api.CheckContext`). Default: nothing to check."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"

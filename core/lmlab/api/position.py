@@ -39,6 +39,9 @@ class PositionModule(nn.Module):
 
 
 class Position(Plugin):
+    """How token order reaches the model: :meth:`build` makes one :class:`PositionModule` that every
+    layer shares, acting in the places its flags name (embedding, rotation, attention bias)."""
+
     slot = "position"
 
     def build(self, shape: ModelShape) -> PositionModule:

@@ -47,6 +47,14 @@ plugin whose range excludes this version. Bump the minor version when the API ga
 1.6: ``Filter.state_dict`` / ``Filter.load_state_dict``: a corpus-level filter's state as NumPy arrays
      and JSON values, which the preparation's checkpoints store without pickling (the default None:
      the filter cannot be checkpointed, and an interrupted preparation filters again from the start).
+     ``Plugin.check(context)`` with ``CheckContext`` (shape, the other plugins, the resolved manifest,
+     the model on the meta device, whether to check against this machine): refusals before anything
+     is built or read, by ``lmlab check`` and at the start of a run. ``DataSource.yields_records``.
+     ``LaunchOptions`` (devices, num_nodes, accelerator, backend, with ``processes()`` and
+     ``planned_processes()``), shared by the parallel plugins; ``Parallel.device_type`` and
+     ``Parallel.trainer_precision`` (the precision, and 16-mixed's loss scaler, are the parallel
+     plugin's business; ``loss_scaling`` reads the ``train.loss_scale_*`` options); the default
+     ``Parallel.check`` refuses an accelerator the machine lacks and 16-mixed on the CPU.
 """
 
 API_VERSION = "1.6"

@@ -1,10 +1,11 @@
 """``lmlab check MANIFEST``: validates and prints the resolved variants; trains nothing.
 
-Imports only the plugins the manifest names (and never lightning, deepspeed, peft or wandb).
+Imports only the plugins the manifest names (and never lightning, deepspeed, peft or wandb). Runs
+every check a run makes before it reads the data (:mod:`lmlab.checks`).
 """
 
 from lmlab import manifest
-from lmlab.train.rundir import toml_text
+from lmlab.rundir import toml_text
 
 
 def add_arguments(parser) -> None:
@@ -15,7 +16,10 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    from lmlab import checks
+
     variants = manifest.load(args.manifest, args.overrides)
+    checks.run_all(variants)  # what a run would refuse before training, without reading the data
     print(f"{args.manifest}: {len(variants)} variant{'s' if len(variants) != 1 else ''}")
     for variant in variants:
         print(f"\n# variant: {variant.name}")

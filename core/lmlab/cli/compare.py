@@ -34,7 +34,7 @@ def main(args) -> int:
     print(format_table(comparison))
     if args.html or args.png:
         from lmlab.report import plots
-        from lmlab.train.rundir import atomic_write_bytes
+        from lmlab.rundir import atomic_write_bytes
 
         figures = plots.figures(comparison, runset)
         if args.png:

@@ -33,7 +33,7 @@ def main(args) -> int:
     # The run's own data plugin reads the records, pointed at the held-out file: same template.
     overrides = [*args.overrides, f"data.path={json.dumps(str(args.data.resolve()))}"]
     run = load_run(args.run_dir, overrides)
-    refuse_bidirectional(run.variant)
+    refuse_bidirectional(run.objective)
     records = []
     for doc in run.variant.instantiate("data").documents():
         if not isinstance(doc, Record):
@@ -47,7 +47,7 @@ def main(args) -> int:
     answers = answer_all(run.model, run.tokenizer, records, stop=args.stop)
     score = exact_match(answers)
     if args.out is not None:
-        from lmlab.train.rundir import atomic_write_bytes
+        from lmlab.rundir import atomic_write_bytes
 
         lines = (json.dumps({"prompt": a.prompt, "reference": a.reference, "answer": a.answer,
                              "correct": a.correct}) + "\n" for a in answers)

@@ -20,8 +20,8 @@ def main(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError("must be positive", key="--max-new-tokens")
-    run = load_run(args.run_dir, args.overrides, slots=("decoding",))
-    refuse_bidirectional(run.variant)
+    run = load_run(args.run_dir, args.overrides)
+    refuse_bidirectional(run.objective)
     print(args.prompt + generate_text(run.model, run.tokenizer, run.plugins["decoding"], args.prompt,
                                       args.max_new_tokens, seed=args.seed))
     return 0

@@ -30,26 +30,21 @@ def main(args) -> int:
 
     import torch
 
-    from lmlab import manifest
-    from lmlab.train import build
+    from lmlab.rundir import atomic_write_bytes, write_json, write_toml
     from lmlab.trained import load_run
-    from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
 
     run_dir = args.run_dir
-    manifest_path = run_dir / "manifest.toml"
-    if not manifest_path.is_file():
-        raise UserError("is not a run folder (no manifest.toml)", key=str(run_dir))
     out = args.out or run_dir.with_name(run_dir.name + "-merged")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise UserError("exists; pass --overwrite to replace it or --out to write elsewhere", key=str(out))
-    (variant,) = manifest.load(manifest_path, resolve_init=False)
-    if "peft" not in variant.plugins:
-        raise UserError("was trained without a [peft] table: there is no adapter to merge", key=str(run_dir))
     run = load_run(run_dir)
+    variant = run.variant
+    if "peft" not in variant.slots:
+        raise UserError("was trained without a [peft] table: there is no adapter to merge", key=str(run_dir))
     model, shape, step, plugin = run.model, run.shape, run.step, run.peft
     # The plain model's entry names, from a copy on the meta device: names only, no memory.
     with torch.device("meta"):
-        plain_keys = set(build.build_model(variant, shape, run.plugins).state_dict())
+        plain_keys = set(run.build_model().state_dict())
     checkpoint = run.checkpoint
     if plugin is None:
         raise UserError(f"its peft plugin {variant.manifest['peft']['use']!r} added no adapter: the checkpoint "
@@ -73,7 +68,7 @@ def main(args) -> int:
 
     if out.exists() and args.overwrite:
         shutil.rmtree(out)
-    with open(manifest_path, "rb") as f:
+    with open(run_dir / "manifest.toml", "rb") as f:
         table = tomllib.load(f)
     table.pop("peft", None)
     write_toml(out / "manifest.toml", table)

@@ -64,9 +64,9 @@ def render(plan, requested_devices: int | None = None) -> str:
              f"model: {f.params:,} parameters ({_count(f.params)}; {f.trainable:,} trainable), "
              f"{s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, block {s.block_size}, vocab {s.vocab_size}",
              f"run: {plan.parallel} on {layout.devices} device{'s' if layout.devices != 1 else ''} "
-             f"({layout.data_parallel} data-parallel), precision {t['precision']}, {plan.optimizer}, "
-             f"micro-batch {t['batch_size']} × {s.block_size} tokens, grad_accum {t['grad_accum']}, "
-             f"checkpointing {t['checkpointing']}"]
+             f"({layout.data_parallel} data-parallel), precision {t.precision}, {plan.optimizer}, "
+             f"micro-batch {t.batch_size} × {s.block_size} tokens, grad_accum {t.grad_accum}, "
+             f"checkpointing {t.checkpointing}"]
     if requested_devices is not None and requested_devices != layout.devices:
         lines.append(f"note: {plan.parallel} uses {layout.devices} device(s), not the {requested_devices} asked for")
     lines += [f"note: {note}" for note in layout.notes]
@@ -95,7 +95,7 @@ def render(plan, requested_devices: int | None = None) -> str:
     if d.grad_buffers:
         rows.append(("gradient buckets", d.grad_buffers, "communication buffers"))
     rows.append(("backward working", d.transient, "largest activation's gradient"
-                 + (", one recomputed block" if t["checkpointing"] != "none" else "")))
+                 + (", one recomputed block" if t.checkpointing != "none" else "")))
     for phase, value in d.phases.items():
         rows.append((f"peak: {phase}", value, ""))
     rows.append(("total", d.total, f"the peak, during {d.peak_phase}"))
@@ -105,7 +105,7 @@ def render(plan, requested_devices: int | None = None) -> str:
         lines.append(f"host memory per process: {human(d.host)} (offloaded)")
     lines.append(f"communication per step, per device: {human(d.comm_bytes)} sent")
     for c, volume in d.comm:
-        per = f", {t['grad_accum']}× per step (each micro-batch)" if c.per == "micro-batch" and t["grad_accum"] > 1 else ""
+        per = f", {t.grad_accum}× per step (each micro-batch)" if c.per == "micro-batch" and t.grad_accum > 1 else ""
         note = f" ({c.note})" if c.note else ""
         lines.append(f"  {c.op} of {c.of} among {c.group}: {human(volume)}{per}{note}")
     if not d.comm:

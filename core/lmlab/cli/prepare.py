@@ -37,6 +37,6 @@ def main(args) -> int:
             continue
         done[key] = [variant.name]
         cached = entry.problem(pipeline.cache_root() / "tokens" / key) is None  # verified: prepare won't hash again
-        folder = pipeline.prepare(variant, workers=args.workers, shard_mb=args.shard_mb, key=key)
+        folder = pipeline.prepare_corpus(variant, workers=args.workers, shard_mb=args.shard_mb, key=key)
         print(f"{variant.name}: {folder}{' (already prepared)' if cached else ''}")
     return 0

@@ -3,6 +3,7 @@ says where the environment differs from the one the run recorded (plugin version
 revision, torch, Lightning, Python, device), then how far the new result is from the old."""
 
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def main(args) -> int:
     if not recorded_manifest.is_file():
         raise UserError("is not a run folder (it has no manifest.toml)", key=str(run_dir))
     (variant,) = manifest.load(recorded_manifest, args.overrides)  # resolved: one variant, no sweep
-    variant.name = run_dir.name
+    variant = dataclasses.replace(variant, name=run_dir.name)
     out = args.out or run_dir.resolve().parent.with_name(run_dir.resolve().parent.name + "-rerun")
 
     recorded = _recorded_provenance(run_dir)

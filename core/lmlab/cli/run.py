@@ -1,7 +1,8 @@
 """``lmlab run MANIFEST``: trains every variant into ``runs/<name>/<variant>/``.
 
 Running it again continues the sweep (completed variants are skipped, interrupted ones resume); a
-variant that fails is recorded as failed, with its error, and the others still run.
+variant that fails is recorded as failed, with its error, and the others still run. Every variant is
+checked before any trains (:mod:`lmlab.checks`): one that could not run refuses the whole command.
 """
 
 import contextlib
@@ -37,10 +38,13 @@ def main(args) -> int:
     if args.overwrite and args.resume:
         raise UserError("--overwrite and --resume contradict each other", key="--overwrite")
     variants = manifest.load(args.manifest, args.overrides)
-    out = args.out or Path("runs") / variants[0].manifest["name"]
+    out = args.out or Path("runs") / variants[0].experiment
     main_process = sweep.is_main_process()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if main_process else (lambda text: None)
     selected = _select(variants, args.only)
+    from lmlab import checks
+
+    checks.run_all(selected)  # a variant that cannot run is bad input, before any other trains
     sweep.check_out(out)
     with contextlib.ExitStack() as held:
         locks = {}
@@ -141,16 +145,16 @@ def _closing_sample(variant, result) -> None:
     """A few tokens from the trained model; a failure here is reported and never fails the run."""
     from lmlab.sampling import generate_text
 
-    cfg = variant.manifest["train"]
-    if not cfg["sample_tokens"] or not result.plugins["objective"].causal:  # a bidirectional model cannot generate
+    cfg = variant.train
+    if not cfg.sample_tokens or not result.plugins["objective"].causal:  # a bidirectional model cannot generate
         return
     try:
         text = generate_text(result.module.model, result.tokens.tokenizer, result.plugins["decoding"],
-                             cfg["sample_prompt"], cfg["sample_tokens"], seed=variant.manifest["seed"])
+                             cfg.sample_prompt, cfg.sample_tokens, seed=variant.seed)
     except Exception as exc:
         warn(f"[{variant.name}] the closing sample failed ({type(exc).__name__}: {exc}); the run itself completed")
         return
-    print(f"--- sample ({variant.manifest['decoding']['use']}) ---\n{cfg['sample_prompt']}{text}\n---", flush=True)
+    print(f"--- sample ({variant.slots['decoding'].name}) ---\n{cfg.sample_prompt}{text}\n---", flush=True)
 
 
 def _closing_note(variant, run_dirs: list[Path], say) -> None:

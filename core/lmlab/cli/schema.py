@@ -28,7 +28,7 @@ def main(args) -> int:
     if out is None:
         sys.stdout.write(text)
         return 0
-    from lmlab.train.rundir import atomic_write_bytes
+    from lmlab.rundir import atomic_write_bytes
 
     atomic_write_bytes(out, text.encode("utf-8"))
     print(f"wrote {out}", file=sys.stderr)

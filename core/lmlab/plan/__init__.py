@@ -57,8 +57,8 @@ for plain data parallelism, 31.4 GB under ZeRO-1, 16.6 GB under ZeRO-2, 1.9 GB u
 from lmlab.plan.arithmetic import (AUTOCAST_DTYPE, DTYPE_BYTES, STORAGE_DTYPE, DevicePlan, ModelFacts,
                                    communication_bytes, dtype_bytes, estimate, human, parse_size, pick_unit,
                                    resolve_dtypes)
-from lmlab.plan.measure import VariantPlan, fake_mode, measure_model, plan_variant, vocabulary
+from lmlab.plan.measure import VariantPlan, fake_mode, measure_model, plan_variant
 
 __all__ = ["AUTOCAST_DTYPE", "DTYPE_BYTES", "STORAGE_DTYPE", "DevicePlan", "ModelFacts", "VariantPlan",
            "communication_bytes", "dtype_bytes", "estimate", "fake_mode", "human", "measure_model", "parse_size",
-           "pick_unit", "plan_variant", "resolve_dtypes", "vocabulary"]
+           "pick_unit", "plan_variant", "resolve_dtypes"]

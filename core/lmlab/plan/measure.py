@@ -15,7 +15,7 @@ from lmlab.plan.arithmetic import (AUTOCAST_DTYPE, DevicePlan, ModelFacts, dtype
 REAL_FORWARD_LIMIT = 2e9
 
 
-def measure_model(build, plugins: dict, shape, train: dict, layout: MemoryLayout, precision: str) -> ModelFacts:
+def measure_model(build, plugins: dict, shape, train, layout: MemoryLayout, precision: str) -> ModelFacts:
     """Measure the model that ``build(dtype)`` makes (on fake tensors, with parameters of that dtype;
     ``build(dtype, fake=False)``: a real one) for a run with ``layout``: see ``lmlab.plan``."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
@@ -30,7 +30,7 @@ def measure_model(build, plugins: dict, shape, train: dict, layout: MemoryLayout
     # Buffers keep their dtype in storage; the weights' compute dtype says nothing about them.
     buffers = sum(b.numel() * b.element_size() for b in build(param_dtype).buffers())
 
-    batch, block = train["batch_size"], shape.block_size
+    batch, block = train.batch_size, shape.block_size
 
     def saved_for_backward(policy: str) -> _Saved:
         try:
@@ -48,15 +48,15 @@ def measure_model(build, plugins: dict, shape, train: dict, layout: MemoryLayout
                 return _saved_for_backward(build(compute_dtype, fake=False), plugins["objective"], batch, block,
                                            shape.vocab_size, autocast, policy)
 
-    saved = saved_for_backward(train["checkpointing"])
+    saved = saved_for_backward(train.checkpointing)
     transient = saved.largest
-    if train["checkpointing"] != "none":
+    if train.checkpointing != "none":
         # Backward recomputes one block's dropped activations at a time.
         plain = saved_for_backward("none")
         transient += max(0, plain.total - saved.total) / max(1, shape.n_layers)
     optimizer_bytes = _optimizer_state_bytes(build("float32" if layout.master_weights else param_dtype),
                                              plugins["optimizer"])
-    eval_batch = train["eval_batch_size"] or 4 * batch
+    eval_batch = train.eval_batch_size
     # The logits (compute dtype, or fp32 when not autocast) and the loss's fp32 log-softmax; under
     # autocast the loss first makes an fp32 copy of the logits too.
     logits = eval_batch * block * shape.vocab_size
@@ -182,21 +182,22 @@ class VariantPlan:
     facts: ModelFacts
     device: DevicePlan
     parallel: str  # the parallel plugin's name
-    train: dict  # the [train] table
+    train: object  # the [train] table (lmlab.config.TrainOptions)
     optimizer: str
 
 
 def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
     """Build ``variant``'s model on fake tensors, ask its parallel plugin for the layout, measure, estimate."""
-    from lmlab.train import build
+    from lmlab.assemble import assemble
 
-    train = variant.manifest["train"]
-    precision = train["precision"]
-    plugins = {slot: variant.instantiate(slot)
-               for slot in ("position", "attention", "ffn", "objective", "optimizer", "parallel")}
-    shape, vocab = vocabulary(variant, plugins["objective"])
-    plugins["objective"].setup(vocab)
-    peft = variant.instantiate("peft") if "peft" in variant.plugins else None
+    train = variant.train
+    precision = train.precision
+    # The plugins, and the vocabulary a run would have: the tokenizer's (fitted on the data and cached,
+    # as a run would, when it cannot say without fitting) with room for the objective's special tokens
+    # (mlm's [MASK]), or model.vocab_size when it decides alone. The model is built below, per dtype.
+    built = assemble(variant, model=False)
+    plugins, shape = built.plugins, built.shape
+    peft = plugins.get("peft")
     if peft is not None:
         from lmlab.train.adapters import check_parallel
 
@@ -212,7 +213,7 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
         torch.set_default_dtype(getattr(torch, dtype))
         try:
             with contextlib.nullcontext() if not fake else mode:
-                model = build.build_model(variant, shape, plugins)
+                model = built.build_model()
                 # A frozen base and a trainable adapter: gradients and optimizer states are the adapter's.
                 if peft is not None and fake:
                     _apply_peft_to_fake(peft, model, variant.manifest)
@@ -238,26 +239,5 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
         key = max(sizes, key=sizes.get)
         raise UserError(f"{sizes[key]:,} makes tensors too large to exist ({str(exc).splitlines()[0]})",
                         key=f"model.{key}") from None
-    return VariantPlan(variant.name, shape, facts, estimate(facts, layout, precision, train["grad_accum"]),
+    return VariantPlan(variant.name, shape, facts, estimate(facts, layout, precision, train.grad_accum),
                        variant.plugins["parallel"].name, train, variant.plugins["optimizer"].name)
-
-
-def vocabulary(variant, objective) -> tuple:
-    """(ModelShape, Vocabulary) as ``lmlab run`` makes them: the tokenizer's vocabulary (fitted on the
-    data and cached, as a run would, when it cannot say without fitting) with room for the objective's
-    special tokens (mlm's [MASK]), or ``model.vocab_size`` when it is set and no special token needs
-    the tokenizer's ids."""
-    from lmlab.api import Vocabulary
-    from lmlab.train import build
-
-    size = variant.manifest["model"].get("vocab_size")
-    if size and not getattr(objective, "special_tokens", ()):
-        return build.model_shape(variant, size), Vocabulary(size=size, tokenizer_size=size)
-    try:
-        tokenizer = variant.instantiate("tokenizer")
-        tokenizer.vocab_size  # noqa: B018 — tokenizers with a fixed vocabulary (byte) know it unfitted
-    except Exception:  # noqa: BLE001 — an unfitted tokenizer may fail in any way; fitting settles it
-        from lmlab.train import tokens
-
-        tokenizer = tokens.prepare(variant).tokenizer
-    return build.vocabulary(variant, objective, tokenizer)

@@ -72,12 +72,13 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def cache_key(variant, source=None) -> str:
+def cache_key(variant, source=None, tokenizer=None) -> str:
     """The cache entry's name: a hash of the data (``source``'s fingerprint, a fresh instance of the
     variant's data source by default), the filters and the tokenizer, with all their options and the
     versions of lmlab and of their plugin distributions (a new release may tokenize or filter
     differently), the tokenizer's fingerprint (the files it reads), and, for a run with [init], the
-    digest of the init's fitted tokenizer."""
+    digest of the init's fitted tokenizer (loaded into ``tokenizer``, the variant's instance, a new
+    one by default)."""
     data_cls, tok_cls = variant.plugins["data"], variant.plugins["tokenizer"]
     data = source or variant.instantiate("data")
     filters = [[cls.name, variant.manifest["filter"][cls.name]] for cls in variant.plugins.get("filter", [])]
@@ -88,10 +89,11 @@ def cache_key(variant, source=None) -> str:
         "filters": filters,
         "code": [lmlab.__version__, _plugin_versions(variant, ("data", "tokenizer", "filter"))],
     }
-    read = variant.instantiate("tokenizer").fingerprint()
+    tokenizer = tokenizer if tokenizer is not None else variant.instantiate("tokenizer")
+    read = tokenizer.fingerprint()
     if read:  # only then, so that the keys of tokenizers without files stay as they were
         parts["tokenizer"].append(read)
-    fitted = pretrained.tokenizer_digest(variant)
+    fitted = pretrained.tokenizer_digest(variant, tokenizer)
     if fitted is not None:  # [init]: the tokenizer is the init's fitted one, not fitted here
         parts["fitted_tokenizer"] = fitted
     blob = json.dumps(parts, sort_keys=True)
@@ -113,10 +115,11 @@ def _plugin_versions(variant, slots: tuple[str, ...]) -> dict:
     return out
 
 
-def prepare(variant, root: Path | None = None, workers: int | None = None, shard_mb: float | None = None,
-            listener: Listener | None = None, key: str | None = None) -> Path:
+def prepare_corpus(variant, root: Path | None = None, workers: int | None = None, shard_mb: float | None = None,
+                   listener: Listener | None = None, key: str | None = None, tokenizer=None) -> Path:
     """The folder of the variant's prepared corpus: found in the cache, or built (resuming a build
-    that was interrupted). ``workers``: processes that filter and tokenise, this one included."""
+    that was interrupted). ``workers``: processes that filter and tokenise, this one included.
+    ``tokenizer``: the variant's tokenizer instance, fitted here when the entry is built."""
     root = root or cache_root()
     workers = workers or default_workers()
     filters = filter_specs(variant)
@@ -126,7 +129,7 @@ def prepare(variant, root: Path | None = None, workers: int | None = None, shard
         if filters:
             pool.start()
         source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
-        key = key or cache_key(variant, source)
+        key = key or cache_key(variant, source, tokenizer)
         final = root / "tokens" / key
         if entry.problem(final) is None:
             return final
@@ -146,7 +149,8 @@ def prepare(variant, root: Path | None = None, workers: int | None = None, shard
                     warn(f"the token cache entry {final} is damaged ({problem}); rebuilding it")
                     _discard(final)
                 shard_bytes = int((shard_mb or DEFAULT_SHARD_MB) * 2**20)
-                index = Build(variant, source, key, final, building / key, workers, shard_bytes, listener, pool).run()
+                index = Build(variant, source, key, final, building / key, workers, shard_bytes, listener, pool,
+                              tokenizer).run()
                 entry.remember(final, index)
     return final
 

@@ -35,8 +35,9 @@ class Build:
     """One preparation of one cache entry, from its partial folder to the finished one."""
 
     def __init__(self, variant, source, key: str, final: Path, partial: Path, workers: int, shard_bytes: int,
-                 listener: Listener, pool: Workers | None = None):
+                 listener: Listener, pool: Workers | None = None, tokenizer=None):
         self.variant, self.key, self.final, self.partial = variant, key, final, partial
+        self.fitting = tokenizer  # the instance the fit stage fits (the caller's), or None: a new one
         self.spool = partial / "text"
         self.workers, self.listener = workers, listener
         self.source = source  # the data source whose fingerprint is in the key
@@ -255,7 +256,7 @@ class Build:
 
     def _fit(self) -> None:
         self.listener("fit", {})
-        tokenizer = self.tokenizer.build()
+        tokenizer = self.fitting if self.fitting is not None else self.tokenizer.build()
         saved = self.partial / "tokenizer"
         _remove(saved)
         scratch = shards.temporary(self.partial / "scratch")
@@ -289,11 +290,10 @@ class Build:
         try:
             self._tokenize_parts(pool)
         except UserError as exc:
-            init = self.variant.manifest.get("init")
-            if not init:
+            if self.variant.init is None:
                 raise
             data = self.variant.manifest["data"].get("path") or self.variant.manifest["data"]["use"]
-            raise UserError(f"{data}: holds text that the tokenizer of [init] from = {init['from']} cannot "
+            raise UserError(f"{data}: holds text that the tokenizer of [init] from = {self.variant.init.from_} cannot "
                             f"encode ({exc}); a fine-tune keeps the init's vocabulary", key="data") from None
 
     def _tokenize_parts(self, pool: Workers) -> None:

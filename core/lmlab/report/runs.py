@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmlab.errors import UserError
-from lmlab.manifest import seedless
-from lmlab.train.rundir import load_json_object, load_summary, read_metrics
+from lmlab.variant import seedless
+from lmlab.rundir import load_json_object, load_summary, read_metrics
 
 
 @dataclass

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from lmlab.errors import UserError
-from lmlab.manifest import seedless
+from lmlab.variant import seedless
 from lmlab.report.runs import RunSet
 from lmlab.report.stats import Welch, mean_std, welch
 

@@ -27,7 +27,7 @@ import torch
 
 from lmlab.api import UserError
 from lmlab.api.peft import Peft
-from lmlab.train.rundir import atomic_write_bytes
+from lmlab.rundir import atomic_write_bytes
 
 BASE_FILE = "base.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
@@ -97,8 +97,8 @@ def check_parallel(plugin: Peft, manifest: dict) -> None:
                         key="peft.use")
 
 
-def prepare(plugin: Peft | None, model: torch.nn.Module, manifest: dict, ckpt_dir: Path,
-            resuming: bool) -> PeftRun | None:
+def apply_peft(plugin: Peft | None, model: torch.nn.Module, manifest: dict, ckpt_dir: Path,
+               resuming: bool) -> PeftRun | None:
     """Apply the variant's peft plugin to the freshly built (and initialised) ``model``; None when the
     run has no adapter. ``resuming``: the run continues from ``ckpt_dir/last.ckpt``, so its base
     weights are loaded from ``ckpt_dir/base.safetensors`` before the adapter goes in."""

@@ -16,7 +16,7 @@ _PLAIN_ATTRIBUTES = frozenset({"_current_fx_name", "_param_requires_grad_state",
 
 
 class LMModule(L.LightningModule):
-    def __init__(self, model, objective, optimizer, train_cfg: dict, hooks, compile: bool = False,
+    def __init__(self, model, objective, optimizer, train_cfg, hooks, compile: bool = False,
                  parallel=None, peft=None):
         super().__init__()
         self.model = model
@@ -41,7 +41,7 @@ class LMModule(L.LightningModule):
         self.make_batch = (None if objective is None else
                            objective.make_batch_from if objective.wants_windows() else objective.make_batch)
         self.optimizer_plugin = optimizer
-        self.cfg = train_cfg
+        self.cfg = train_cfg  # lmlab.config.TrainOptions
         self.hooks = hooks
         self.last_loss: torch.Tensor | None = None  # the current step's loss (micro-batch mean), not synced
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
@@ -156,9 +156,9 @@ class LMModule(L.LightningModule):
     def configure_optimizers(self):
         optimizer = self.optimizer_plugin.build(self.model.param_infos())
         base_lr = optimizer.param_groups[0]["lr"]
-        min_lr = self.cfg["min_lr"] if self.cfg["min_lr"] is not None else base_lr / 10
-        schedule = WarmupDecay(self.cfg["warmup_steps"], self.cfg["decay_steps"] or self.cfg["max_steps"],
-                               min_lr / base_lr, self.cfg["lr_schedule"])
+        min_lr = self.cfg.min_lr if self.cfg.min_lr is not None else base_lr / 10
+        schedule = WarmupDecay(self.cfg.warmup_steps, self.cfg.decay_steps,
+                               min_lr / base_lr, self.cfg.lr_schedule)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -22,7 +22,7 @@ import torch
 
 from lmlab import checkpoint, signals
 from lmlab.train.checkpoint_io import replace
-from lmlab.train.rundir import MetricsLog
+from lmlab.rundir import MetricsLog
 
 
 class Diverged(RuntimeError):
@@ -30,7 +30,7 @@ class Diverged(RuntimeError):
 
 
 class RunRecorder(L.Callback):
-    def __init__(self, run_dir: Path, cfg: dict, tokens_per_step: int, tracker, hooks, resume_step=None):
+    def __init__(self, run_dir: Path, cfg, tokens_per_step: int, tracker, hooks, resume_step=None):
         self.run_dir, self.cfg, self.tokens_per_step = run_dir, cfg, tokens_per_step
         self.tracker, self.hooks = tracker, hooks
         self.resume_step = resume_step
@@ -75,7 +75,7 @@ class RunRecorder(L.Callback):
         self._seen_step = step
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self._window_start
-        log = step % self.cfg["log_every"] == 0 or step == trainer.max_steps
+        log = step % self.cfg.log_every == 0 or step == trainer.max_steps
         extra = self.hooks.collect("lmlab_train_batch_end", step=step, loss=pl_module.last_loss,
                                    model=pl_module.model, log=log) if self.hooks.has("lmlab_train_batch_end") else {}
         if log:
@@ -83,7 +83,7 @@ class RunRecorder(L.Callback):
         elif extra and trainer.is_global_zero:
             self._emit({"step": step, **extra})
         stop = self._termination_requested(trainer)
-        if step % self.cfg["checkpoint_every"] == 0 or step == trainer.max_steps or stop:
+        if step % self.cfg.checkpoint_every == 0 or step == trainer.max_steps or stop:
             self.save_last(trainer)
         if stop:
             if trainer.is_global_zero:
@@ -112,7 +112,7 @@ class RunRecorder(L.Callback):
             # every rank reaches this line at the same step, so the collective cannot deadlock.
             loss = trainer.strategy.reduce(loss, reduce_op="mean")
         self.train_loss = loss.item()  # the one host sync per log interval
-        if not math.isfinite(self.train_loss) and self.cfg["precision"] != "16-mixed":
+        if not math.isfinite(self.train_loss) and self.cfg.precision != "16-mixed":
             # Under 16-mixed an overflowing step is skipped by the loss scaler and training goes on.
             raise Diverged(f"the training loss is {self.train_loss} at step {step}: training diverged (lower "
                            "optimizer.lr, or set train.grad_clip)")

@@ -14,7 +14,6 @@ The choice of rows and of windows is drawn for the whole global batch from a gen
 each data-parallel replica takes its slice of the global batch's draws.
 """
 
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,21 +28,20 @@ def replay_corpus(variant, objective):
     if not fraction:
         return None
     from lmlab import manifest, pretrained
-    from lmlab.train import tokens as token_cache
+    from lmlab.prepare import tokens as token_cache
 
-    init = variant.manifest.get("init") or {}
-    if not init.get("from"):
+    source = variant.init_source
+    if source is None:
         raise UserError("replays the [init] run's training corpus, and this run has no [init] from = <run>",
                         key="data.replay")
     if not getattr(objective, "causal", True):
         raise UserError(f"replayed rows are plain text for next-token prediction; objective {objective.name!r} "
                         "is not causal", key="data.replay")
-    source = pretrained.locate(Path(init["from"]), init.get("checkpoint", "best"))
     if source.kind != pretrained.RUN:
         raise UserError(f"needs an lmlab run as [init] (its prepared corpus is what is replayed); "
                         f"{source.path} is a {source.kind} folder", key="data.replay")
     (init_variant,) = manifest.load(source.folder / "manifest.toml")
-    return token_cache.prepare(init_variant).train
+    return token_cache.load_tokens(init_variant).train
 
 
 class Replayed(EndlessBatches):

@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from lmlab import checkpoint, pretrained, provenance, signals
+from lmlab import checkpoint, checks, pretrained, provenance, signals
+from lmlab.assemble import assemble
 from lmlab.api import RunInfo
 from lmlab.config import TrainOptions
 from lmlab.errors import UserError
 from lmlab.hooks import Hooks
-from lmlab.train import adapters, allocator, build, memory, tokens as token_cache
+from lmlab.train import adapters, allocator, memory
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
-from lmlab.train.rundir import atomic_write_bytes, write_json, write_toml
+from lmlab.rundir import atomic_write_bytes, write_json, write_toml
 from lmlab.train.sweep import is_main_process
 
 DEFAULT_SAMPLE_PROMPT = TrainOptions.model_fields["sample_prompt"].default
@@ -62,20 +63,19 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
 
     _quiet_lightning()
     memory.reset_peak()
-    cfg = variant.manifest["train"]
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
+    cfg = variant.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     allocator.tune_for_training()
-    L.seed_everything(variant.manifest["seed"], verbose=False)
-    plugins = build.instantiate_all(variant)
-    tokens = token_cache.prepare(variant)
-    # The objective's special tokens may grow the vocabulary past the tokenizer's (mlm's [MASK]).
-    shape, vocab = build.vocabulary(variant, plugins["objective"], tokens.tokenizer)
-    plugins["objective"].setup(vocab)
+    L.seed_everything(variant.seed, verbose=False)
+    checked = checks.run(variant)  # what the manifest alone tells is wrong, before the data is read
+    # The plugins, the corpus and the tokenizer fitted on it, the vocabulary (the objective's special
+    # tokens may grow it past the tokenizer's: mlm's [MASK]), the shape and the freshly initialised model.
+    built = assemble(variant, data=True, plugins=dict(checked.plugins))
+    plugins, tokens, shape, model = built.plugins, built.tokens, built.shape, built.model
     if getattr(plugins["objective"], "sampling", "windows") == "windows":
         check_windows_fit(tokens, shape.block_size)
     _check_sample_prompt(cfg, plugins["objective"], tokens.tokenizer)
-    model = build.build_model(variant, shape, plugins)
     # The newest readable checkpoint (a damaged last.ckpt falls back to best.ckpt, with a warning).
     ckpt_path = checkpoint.resume_point(run_dir) if resume else None
     # [init]: the weights a fine-tune starts from, loaded before anything adapts, wraps or shards the
@@ -83,12 +83,12 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
     init = pretrained.initialise(variant, model, run_dir, resuming=ckpt_path is not None)
     # [peft]: the adapter goes in on top of those weights and freezes them; a resumed run reloads the
     # base it recorded first (lmlab.train.adapters). None when the run trains the whole model.
-    peft = adapters.prepare(plugins.get("peft"), model, variant.manifest, run_dir / "checkpoints",
-                            resuming=ckpt_path is not None)
+    peft = adapters.apply_peft(plugins.get("peft"), model, variant.manifest, run_dir / "checkpoints",
+                               resuming=ckpt_path is not None)
     hooks = Hooks([*(p for value in plugins.values() for p in (value if isinstance(value, list) else [value])),
                    *extra_hooks])
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
-    model.set_checkpointing(cfg["checkpointing"])
+    model.set_checkpointing(cfg.checkpointing)
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
     resume_step = checkpoint.step_of(ckpt_path) if ckpt_path else None
@@ -97,31 +97,29 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
 
     parallel = plugins["parallel"].trainer_kwargs()
     tracker = plugins["tracker"]
-    eval_bs = cfg["eval_batch_size"] or 4 * cfg["batch_size"]
-    datamodule = TokenDataModule(tokens, shape.block_size, cfg["batch_size"], eval_bs, cfg["eval_steps"],
-                                 variant.manifest["seed"], cfg["grad_accum"], objective=plugins["objective"],
+    datamodule = TokenDataModule(tokens, shape.block_size, cfg.batch_size, cfg.eval_batch_size, cfg.eval_steps,
+                                 variant.seed, cfg.grad_accum, objective=plugins["objective"],
                                  replay=replay_corpus(variant, plugins["objective"]),
-                                 replay_fraction=variant.manifest["data"].get("replay") or 0.0)
-    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg["compile"],
+                                 replay_fraction=getattr(variant.options("data"), "replay", 0.0) or 0.0)
+    module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg.compile,
                       parallel=plugins["parallel"], peft=peft)
-    recorder = RunRecorder(run_dir, cfg, cfg["batch_size"] * cfg["grad_accum"] * shape.block_size,
+    recorder = RunRecorder(run_dir, cfg, cfg.batch_size * cfg.grad_accum * shape.block_size,
                            None, hooks, resume_step=resume_step)
-    trainer = _trainer(cfg, run_dir, recorder, parallel)
+    trainer = _trainer(cfg, run_dir, recorder, parallel, plugins["parallel"].trainer_precision(cfg))
     trainer.strategy.checkpoint_io = RunFolderCheckpointIO()  # staged in the run folder, not in $TMPDIR
     main = trainer.is_global_zero
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_toml(run_dir / "manifest.toml", _strip_private(resolved))
+        write_toml(run_dir / "manifest.toml", resolved)
         write_json(run_dir / "provenance.json", {"plugins": used, "environment": environment,
-                                                  "manifest": _strip_private(variant.manifest),
+                                                  "manifest": variant.manifest,
                                                   **({"init": init} if init else {})})
         (run_dir / "error.log").unlink(missing_ok=True)  # from an earlier, failed attempt
         (run_dir / "tokenizer").mkdir(exist_ok=True)
         tokens.tokenizer.save(run_dir / "tokenizer")
         recorder.tracker = tracker
-        public = _strip_private(resolved)
-        tracker.start(RunInfo(run_dir=run_dir, group=variant.manifest["name"], name=variant.name,
-                              config=public, flat_config=build.tracker_config(variant, public, variant.peer_keys),
+        tracker.start(RunInfo(run_dir=run_dir, group=variant.experiment, name=variant.name,
+                              config=resolved, flat_config=variant.tracker_config(resolved),
                               plugins=used, resume=ckpt_path is not None, variant=variant.group,
                               environment=environment))
     if peft is not None:  # the frozen base, once per run, before any checkpoint refers to it
@@ -145,11 +143,11 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
         trainer.limit_val_batches = 1.0
         trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)
         recorder.final_validation(trainer, module.val_loss)
-        summary = _completed(trainer, module, recorder, compiled=cfg["compile"])
+        summary = _completed(trainer, module, recorder, compiled=cfg.compile)
         # Sharded or split by the parallel plugin: give the main process a plain copy (the closing
         # sample runs there alone, and a sharded forward would wait for the others forever; the
         # parameter count is the whole model's, not one shard's). Every process takes part.
-        plain = _gathered(trainer, module, lambda: build.build_model(variant, shape, plugins), main)
+        plain = _gathered(trainer, module, built.build_model, main)
     except (KeyboardInterrupt, SystemExit, signals.Terminated) as exc:
         summary = {"status": "interrupted", "steps": trainer.global_step, "signal": _signal_name(exc)}
         raise
@@ -175,50 +173,17 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
     return RunResult(summary, module, tokens, plugins, main)
 
 
-def _trainer(cfg: dict, run_dir: Path, recorder, parallel: dict):
+def _trainer(cfg, run_dir: Path, recorder, parallel: dict, precision: dict):
     import lightning as L
 
     # Lightning's own logger, checkpointing, progress bar and summary are off: the recorder does
     # those jobs, cheaply per step and into the run folder's format.
     return L.Trainer(
-        max_steps=cfg["max_steps"], accumulate_grad_batches=cfg["grad_accum"],
-        gradient_clip_val=cfg["grad_clip"] or None, val_check_interval=cfg["eval_every"] * cfg["grad_accum"],
-        check_val_every_n_epoch=None, limit_val_batches=cfg["eval_steps"], num_sanity_val_steps=0,
+        max_steps=cfg.max_steps, accumulate_grad_batches=cfg.grad_accum,
+        gradient_clip_val=cfg.grad_clip or None, val_check_interval=cfg.eval_every * cfg.grad_accum,
+        check_val_every_n_epoch=None, limit_val_batches=cfg.eval_steps, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(run_dir), callbacks=[recorder], **_precision(cfg, parallel), **parallel)
-
-
-def _precision(cfg: dict, parallel: dict) -> dict:
-    """``precision`` for the Trainer; under 16-mixed, a precision plugin whose loss scaler takes the
-    ``train.loss_scale_*`` options instead."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-    from lmlab.api.parallel import resolve_devices
-
-    strategy, accelerator = parallel.get("strategy"), parallel.get("accelerator", "auto")
-    if cfg["precision"] != "16-mixed" or isinstance(strategy, DeepSpeedStrategy):  # DeepSpeed scales by its config
-        return {"precision": cfg["precision"]}
-    device = resolve_devices(accelerator, 1)[0] if isinstance(accelerator, str) else "cuda"
-    if device == "cpu":  # Lightning would quietly train bf16-mixed instead
-        raise UserError("16-mixed (float16 autocast with loss scaling) needs a GPU; on the CPU use bf16-mixed",
-                        key="train.precision")
-    scaling = {"init_scale": cfg["loss_scale_init"], "growth_interval": cfg["loss_scale_growth_interval"],
-               "backoff_factor": cfg["loss_scale_backoff"]}
-    if isinstance(strategy, FSDPStrategy):  # FSDP1's flat shards: the inf check must be all-reduced
-        from lightning.pytorch.plugins.precision import FSDPPrecision
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        plugin = FSDPPrecision("16-mixed")
-        # Set afterwards: Lightning 2.6's constructor reads self.precision before setting it and
-        # refuses any scaler passed in.
-        plugin.scaler = ShardedGradScaler(device, **scaling)
-        return {"plugins": [plugin]}
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    # Also under ModelParallelStrategy (FSDP2), which refuses precision="16-mixed" by name: gradients
-    # there are DTensors, whose inf check DTensor all-reduces over the mesh, so every rank skips an
-    # overflowing step together with the plain GradScaler.
-    return {"plugins": [MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, **scaling))]}
+        default_root_dir=str(run_dir), callbacks=[recorder], **precision, **parallel)
 
 
 def _gathered(trainer, module, rebuild, main: bool):
@@ -271,20 +236,17 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def _strip_private(manifest: dict) -> dict:
-    return {k: v for k, v in manifest.items() if not k.startswith("_")}
 
-
-def _check_sample_prompt(cfg: dict, objective, tokenizer) -> None:
+def _check_sample_prompt(cfg, objective, tokenizer) -> None:
     """A prompt the user chose for the closing sample must encode: found out now, not after the run
     has trained. The default one ("\n") may not (a corpus without line breaks): then only the sample
     is lost, with a warning at the end."""
-    if not cfg["sample_tokens"] or not objective.causal or cfg["sample_prompt"] == DEFAULT_SAMPLE_PROMPT:
+    if not cfg.sample_tokens or not objective.causal or cfg.sample_prompt == DEFAULT_SAMPLE_PROMPT:
         return
     try:
-        ids = tokenizer.encode(cfg["sample_prompt"])
+        ids = tokenizer.encode(cfg.sample_prompt)
     except (UserError, ValueError, KeyError) as exc:
-        raise UserError(f"{cfg['sample_prompt']!r} cannot be encoded by the run's tokenizer "
+        raise UserError(f"{cfg.sample_prompt!r} cannot be encoded by the run's tokenizer "
                         f"({str(exc).split(': ', 1)[-1]}); change the prompt, or set train.sample_tokens = 0",
                         key="train.sample_prompt") from None
     if len(ids) == 0:

@@ -21,11 +21,13 @@ from pathlib import Path
 
 from lmlab.errors import UserError
 from lmlab.signals import Terminated
-from lmlab.train.rundir import load_summary, write_json
+from lmlab.rundir import load_summary, write_json
 
 #: Keys that change how a run is reported or sampled, not what it trains: they may differ when a run
 #: is continued (prefixes of dotted keys).
 NOT_TRAINING = ("description", "tracker.", "decoding.", "train.sample_", "train.threads")
+#: [train] keys whose default stands for a value resolution computes (lmlab.validate).
+FILLED_IN = ("train.min_lr", "train.decay_steps", "train.eval_batch_size")
 #: A run's own files in its folder, removed when it starts over.
 RUN_FILES = ("checkpoints", "wandb", "metrics.jsonl", "summary.json", "error.log", "provenance.json")
 
@@ -117,10 +119,10 @@ def remove_orphans(run_dir: Path) -> None:
 
 
 def _same_manifest(variant, run_dir: Path) -> None:
-    from lmlab.manifest import read_toml
-    from lmlab.train.build import flatten
+    from lmlab.tables import read_toml
+    from lmlab.variant import flatten
 
-    current = {k: v for k, v in flatten(variant.manifest).items() if not k.startswith("_")}
+    current = flatten(variant.manifest)
     recorded = run_dir / "provenance.json"
     try:
         # The resolved manifest as JSON keeps options whose value is None, which TOML cannot hold.
@@ -135,6 +137,8 @@ def _same_manifest(variant, run_dir: Path) -> None:
         current = {k: v for k, v in current.items() if v is not None}
         keys = set(stored) | set(current)
     keys.discard("model.vocab_size")  # filled in from the tokenizer when the run started
+    # Runs from before these defaults were written into the manifest recorded None: the same values.
+    keys -= {k for k in FILLED_IN if stored.get(k) is None}
     differing = sorted(k for k in keys if stored.get(k) != current.get(k) and not k.startswith(NOT_TRAINING))
     if differing:
         shown = ", ".join(f"{k}: {stored.get(k)!r} there, {current.get(k)!r} now" for k in differing[:3])
@@ -158,7 +162,7 @@ def write_index(out: Path, manifest_path: str, overrides: list[str], variants: l
     """``sweep.json`` in the runs folder: the manifest, overrides and the variants in sweep order
     (``lmlab compare`` takes its default baseline and row order from it)."""
     write_json(out / "sweep.json", {
-        "name": variants[0].manifest["name"], "manifest": str(Path(manifest_path).resolve()),
+        "name": variants[0].experiment, "manifest": str(Path(manifest_path).resolve()),
         "overrides": list(overrides), "variants": [v.name for v in variants],
         "groups": list(dict.fromkeys(v.group for v in variants)),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})

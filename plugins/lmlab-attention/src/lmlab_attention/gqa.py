@@ -12,10 +12,9 @@ run the same code below.
 The query, key and value projections are separate layers (``q_proj``, ``k_proj``, ``v_proj``, as in
 Hugging Face's Llama) rather than one fused matmul: a PEFT method can then adapt queries and values
 alone (LoRA's ``q``/``v`` roles), tensor parallelism splits each column-wise with torch's own
-``ColwiseParallel``, and Llama weights map one to one. On this CPU the three matmuls cost no measurable
-step time against one fused matmul at the baby-GPT size.
+``ColwiseParallel``, and Llama weights map one to one.
 
-Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): :meth:`CausalSelfAttention.tensor_parallel_plan`
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): :meth:`SelfAttention.tensor_parallel_plan`
 splits the heads over the ranks, the query/key/value projections column-wise and the output projection
 row-wise; each rank then computes ``n_heads / t`` query heads with their ``n_kv_heads / t`` key/value
 heads, and its slice of a position scheme's per-head bias.
@@ -33,8 +32,9 @@ from torch import nn
 from lmlab.api import Attention, AttentionModule, Field, KVCache, MixerContext, ModelShape, Options, UserError
 
 
-class CausalSelfAttention(AttentionModule):
-    """Scaled dot-product attention of ``n_heads`` query heads over ``n_kv_heads`` key/value heads."""
+class SelfAttention(AttentionModule):
+    """Scaled dot-product attention of ``n_heads`` query heads over ``n_kv_heads`` key/value heads,
+    causal or (in a model built for a bidirectional objective) over the whole window."""
 
     def __init__(self, shape: ModelShape, n_kv_heads: int):
         super().__init__()
@@ -144,10 +144,10 @@ class GroupedQueryAttention(Attention):
                             key="attention.n_kv_heads")
         return n_kv_heads
 
-    def build(self, shape: ModelShape, layer: int) -> CausalSelfAttention:
+    def build(self, shape: ModelShape, layer: int) -> SelfAttention:
         if shape.d_model % shape.n_heads:
             raise UserError(f"must divide model.d_model = {shape.d_model}; got {shape.n_heads}", key="model.n_heads")
-        return CausalSelfAttention(shape, self.kv_heads(shape))
+        return SelfAttention(shape, self.kv_heads(shape))
 
 
 class MultiHeadAttention(GroupedQueryAttention):

@@ -71,6 +71,7 @@ class AlpacaOptions(FilesOptions):
 
 class Alpaca(FileSource):
     Options = AlpacaOptions
+    yields_records = True  # API 1.6: what an objective can check before reading
     api = ">=1.3,<2"  # lmlab.api.Record
 
     def __init__(self, options: AlpacaOptions | None = None):

@@ -25,6 +25,7 @@ class JsonlOptions(FilesOptions):
 
 class Jsonl(FileSource):
     Options = JsonlOptions
+    yields_records = False  # API 1.6: what an objective can check before reading
 
     def __init__(self, options: JsonlOptions | None = None):
         super().__init__(options)

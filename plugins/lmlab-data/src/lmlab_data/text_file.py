@@ -21,6 +21,7 @@ class TextFileOptions(FilesOptions):
 
 class TextFile(FileSource):
     Options = TextFileOptions
+    yields_records = False  # API 1.6: what an objective can check before reading
 
     def __init__(self, options: TextFileOptions | None = None):
         super().__init__(options)

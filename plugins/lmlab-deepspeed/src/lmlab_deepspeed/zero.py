@@ -40,8 +40,7 @@ from typing import Any, Literal
 
 from pydantic import PositiveInt, model_validator
 
-from lmlab.api import Field, Options, Parallel, UserError, hookimpl
-from lmlab.api.parallel import resolve_devices
+from lmlab.api import Field, LaunchOptions, Parallel, UserError, hookimpl
 
 # DeepSpeed config keys that lmlab's own tables decide; a raw config file must not contradict them.
 OWNED_KEYS = {
@@ -51,10 +50,7 @@ OWNED_KEYS = {
 }
 
 
-class DeepSpeedOptions(Options):
-    devices: PositiveInt | Literal["auto"] = Field(
-        "auto", help="processes (devices) per node; auto = every GPU, or 1 on the CPU")
-    num_nodes: int = Field(1, ge=1, help="number of machines")
+class DeepSpeedOptions(LaunchOptions):
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = Field(
         "auto", help="device type; auto = cuda if available, else cpu")
     stage: Literal[1, 2, 3] = Field(
@@ -183,11 +179,11 @@ class DeepSpeedZeRO(Parallel):
     over the ranks (DeepSpeed ZeRO, through a Lightning ``DeepSpeedStrategy``)."""
 
     Options = DeepSpeedOptions
-    api = ">=1.3,<2"  # resolve_devices
+    api = ">=1.6,<2"  # LaunchOptions, trainer_precision
 
     def trainer_kwargs(self) -> dict[str, Any]:
         o = self.options
-        kind, _ = resolve_devices(o.accelerator, o.devices)
+        kind = o.processes()[0]
         if kind not in ("cuda", "cpu"):
             raise UserError(f"DeepSpeed runs on CUDA GPUs or the CPU, not {kind}", key="parallel.accelerator")
         # DeepSpeed picks its accelerator once per process, when imported: make it the device type
@@ -204,6 +200,11 @@ class DeepSpeedZeRO(Parallel):
         check_config(merge(base_config(o), file_config), o.config)
         strategy = ZeROStrategy(config=base_config(o), file_config=file_config)
         return {"strategy": strategy, "accelerator": kind, "devices": o.devices, "num_nodes": o.num_nodes}
+
+    def trainer_precision(self, train) -> dict[str, Any]:
+        # The engine casts the model and scales the loss itself, as its config's fp16/bf16 section says
+        # (train_config): the precision goes to it as it is, with no Lightning scaler on top.
+        return {"precision": train.precision}
 
     @hookimpl
     def lmlab_checkpoint_saved(self, path: str) -> None:
@@ -225,7 +226,7 @@ class DeepSpeedZeRO(Parallel):
         from lmlab.api.layout import Collective, MemoryLayout
 
         o = self.options
-        n = world_size or (o.devices if o.devices != "auto" else _gpus()) * o.num_nodes
+        n = o.planned_processes(world_size)[1]
         config = merge(base_config(o), read_config_file(o.config) if o.config is not None else {})
         zero = config["zero_optimization"]
         half = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "16-mixed": "float16",
@@ -254,8 +255,3 @@ class DeepSpeedZeRO(Parallel):
             grad_buffers=buckets, offload_optimizer=offload_optimizer, offload_params=offload_param,
             collectives=collectives if n > 1 else ())
 
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() or 1

@@ -31,21 +31,14 @@ Launching: Lightning re-runs the command once per extra local device (there is n
 
 from typing import Any, Literal
 
-from pydantic import PositiveInt
 
-from lmlab.api import Field, Options, Parallel
-from lmlab.api.parallel import resolve_devices
+from lmlab.api import Field, LaunchOptions, Parallel
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
-class FSDPOptions(Options):
-    devices: PositiveInt | Literal["auto"] = Field(
-        "auto", help="processes (devices) per node; auto = every GPU, or 1 on the CPU")
-    num_nodes: int = Field(1, ge=1, help="number of machines")
+class FSDPOptions(LaunchOptions):
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = Field("auto", help="device type")
-    backend: str | None = Field(
-        None, help="torch.distributed backend (nccl, gloo, ...); default nccl on GPUs, gloo on the CPU")
     reshard_after_forward: bool = Field(
         True, help="free each unit's gathered parameters after its forward and gather them again for "
                    "backward (ZeRO-3); false keeps them until backward (ZeRO-2-like: less communication, "
@@ -68,16 +61,16 @@ class FullyShardedDataParallel(Parallel):
     """Parameters, gradients and optimizer state sharded across processes; units gathered as needed."""
 
     Options = FSDPOptions
-    api = ">=1.3,<2"  # Parallel.configure_model
+    api = ">=1.6,<2"  # LaunchOptions
 
     def trainer_kwargs(self) -> dict[str, Any]:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         o = self.options
-        accelerator, devices = resolve_devices(o.accelerator, o.devices)
+        accelerator, devices, processes = o.processes()
         strategy = ModelParallelStrategy(
             # One mesh dimension: every process is a data-parallel replica holding one shard.
-            data_parallel_size=devices * o.num_nodes, tensor_parallel_size=1,
+            data_parallel_size=processes, tensor_parallel_size=1,
             # Gather on rank 0 into one file: lmlab generate and resumption read the single-device format.
             save_distributed_checkpoint=False,
             process_group_backend=o.backend)
@@ -114,7 +107,7 @@ class FullyShardedDataParallel(Parallel):
         from lmlab.api.layout import Collective, MemoryLayout
 
         o = self.options
-        n = world_size or (o.devices if o.devices != "auto" else _gpus()) * o.num_nodes
+        n = o.planned_processes(world_size)[1]
         total = sum(p.numel() for p in model.parameters()) or 1
         if o.units == "block":
             units = list(model.blocks)
@@ -137,8 +130,3 @@ class FullyShardedDataParallel(Parallel):
                             offload_params=o.cpu_offload, offload_optimizer=o.cpu_offload,
                             collectives=collectives)
 
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() or 1

@@ -219,6 +219,14 @@ class Mamba(Attention):
     # (Running two scans, one per direction, would be a different mixer: BiMamba, Vim.)
     bidirectional = False
 
+    def check(self, context) -> None:
+        """Before anything is built (API 1.6): a position scheme that rotates queries or biases scores
+        has nothing to act on in a recurrence."""
+        position = context.model.position if context.model is not None else None  # meta device: flags only
+        if position is not None and (position.rotates or position.biases):
+            raise UserError("mamba takes token order from its recurrence and has no queries to rotate or "
+                            "scores to bias; use position none (or learned / sinusoidal)", key="position.use")
+
     def build(self, shape: ModelShape, layer: int) -> MambaMixer:
         o = self.options
         dt_rank = math.ceil(shape.d_model / 16) if o.dt_rank == "auto" else o.dt_rank

@@ -26,9 +26,9 @@ GEMM on a CPU; ``cumsum`` along the time axis is slower still.
 The backward pass is written out: the adjoint of a linear recurrence is the same recurrence run
 backwards, dL/dh_t = C_t gy_t + a_{t+1} dL/dh_{t+1}, the same prefix mirrored in time. The forward
 pass keeps only the state each chunk starts from; the backward pass recomputes a chunk's decays and
-states from it just before it needs them. Saving every state measured no faster: the states of a step
-are tens of MB, far past the caches, and writing them out and reading them back costs about what
-recomputing them does; it would also hold that memory for the whole step.
+states from it just before it needs them: the states of a step are tens of MB, far past the caches,
+so writing them out and reading them back costs about what recomputing them does, and keeping them
+would hold that memory for the whole step.
 
 Layout, for the CPU: float32 states (Bt, L, N, D) with batch rows outermost and channels last. A
 step's decays and inputs are then broadcasting products of (Bt, L, 1, D) and (Bt, L, N, 1) rows, the
@@ -37,9 +37,8 @@ over (row, step), which read the states once and write nothing of their size, an
 ``exp2`` (several times faster than ``exp`` in PyTorch's CPU kernels). Batch rows outermost matters
 with several threads: an op splits its elements between threads in memory order, so every op of a
 chunk gives each thread the same batch rows and each core keeps working on data in its own cache.
-Time-major buffers (L, Bt, N, D) split by steps instead, differently for the full-chunk ops and the
-half-chunk rounds, and the data moved between the cores' caches at every op: with two threads the scan
-ran slower than with one.
+Time-major buffers (L, Bt, N, D) would split by steps instead, differently for the full-chunk ops and
+the half-chunk rounds, moving the data between the cores' caches at every op.
 
 Memory: every buffer that does not leave the scan comes from a pool of flat buffers reused from one
 call to the next (:class:`_BufferPool`), the chunk-major copies of the inputs and the chunk starts kept
@@ -53,9 +52,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 LOG2_E = 1.0 / math.log(2.0)
-# The most float32 states one chunk may hold under auto_chunk_size: 2 MiB, the two cores' L2 caches of
-# the CPU it was measured on (bench/mamba_chunks.py: the best or within 1 % of it for 1 to 32 batch
-# rows, 64 to 1024 steps and d_inner 256 and 512; 8 steps for 12 rows of d_inner 256 and d_state 16).
+# The most float32 states one chunk may hold under auto_chunk_size: 2 MiB, a two-core CPU's L2 caches
+# (how close it comes to the best length: bench/mamba_chunks.py, and the plugin's README).
 CHUNK_STATES = 2 ** 19
 MIN_CHUNK, MAX_CHUNK = 4, 64
 
@@ -142,8 +140,8 @@ class _BufferPool:
     """Large flat buffers handed back after use and taken again by the next scan of the same size.
 
     A CPU allocator returns big blocks to the operating system when they are freed, and touching fresh
-    pages costs more than the scan's arithmetic: reusing the buffers made a training step of the
-    quickstart model markedly faster. Buffers in use belong to their scan alone; the pool keeps only
+    pages costs more than the scan's arithmetic on them. Buffers in use belong to their scan alone; the
+    pool keeps only
     what was given back, so it holds at most the buffers of the largest number of scans that were
     alive at once.
     """

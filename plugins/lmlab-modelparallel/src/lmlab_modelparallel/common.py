@@ -3,32 +3,12 @@
 from typing import Literal
 
 import torch
-from pydantic import PositiveInt
 
-from lmlab.api import Field, Options
-from lmlab.api.parallel import resolve_devices
+from lmlab.api import Field, LaunchOptions
 
 
-class LaunchOptions(Options):
-    devices: PositiveInt | Literal["auto"] = Field(
-        "auto", help="processes (devices) per node; auto = every GPU, or 1 on the CPU")
-    num_nodes: int = Field(1, ge=1, help="number of machines")
+class ModelParallelLaunchOptions(LaunchOptions):
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = Field("auto", help="device type")
-    backend: str | None = Field(
-        None, help="torch.distributed backend (nccl, gloo, ...); default nccl on GPUs, gloo on the CPU")
-
-
-def launch(options: LaunchOptions) -> tuple[str, int, int]:
-    """(accelerator, processes per node, processes in all) for the options, checked against the machine."""
-    accelerator, devices = resolve_devices(options.accelerator, options.devices)
-    return accelerator, devices, devices * options.num_nodes
-
-
-def planned_processes(options: LaunchOptions, world_size: int | None) -> tuple[int, int]:
-    """(processes per node, processes in all) for ``lmlab plan``: ``world_size`` when it asks for one,
-    else the options, ``auto`` counting this machine's GPUs (one process on a CPU-only one)."""
-    per_node = options.devices if options.devices != "auto" else (torch.cuda.device_count() or 1)
-    return per_node, world_size or per_node * options.num_nodes
 
 
 def numel(module) -> int:

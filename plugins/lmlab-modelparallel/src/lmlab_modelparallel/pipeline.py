@@ -43,11 +43,11 @@ from typing import Any, Literal
 import torch
 from pydantic import PositiveInt
 
-from lmlab.api import Batch, FFNModule, Field, Parallel, UserError, hookimpl
-from lmlab_modelparallel.common import LaunchOptions, clip_by_global_norm, launch, numel, planned_processes
+from lmlab.api import Batch, FFNModule, Field, Parallel, UserError
+from lmlab_modelparallel.common import ModelParallelLaunchOptions, clip_by_global_norm, numel
 
 
-class PipelineOptions(LaunchOptions):
+class PipelineOptions(ModelParallelLaunchOptions):
     schedule: Literal["gpipe", "1f1b"] = Field(
         "1f1b", help="gpipe: all forward passes, then all backward passes; 1f1b: alternate once the "
                      "pipe is full (same bubble, activations of at most `stages` micro-batches)")
@@ -63,7 +63,7 @@ class PipelineParallel(Parallel):
     """Consecutive blocks on consecutive processes; micro-batches flow through (GPipe, 1F1B)."""
 
     Options = PipelineOptions
-    api = ">=1.3,<2"  # configure_model, runs_forward_backward, clip_grad_norm; LanguageModel.pipeline_stage
+    api = ">=1.6,<2"  # LaunchOptions, Plugin.check; configure_model, runs_forward_backward, clip_grad_norm, pipeline_stage
     runs_forward_backward = True
 
     def __init__(self, options=None):
@@ -73,7 +73,7 @@ class PipelineParallel(Parallel):
     def trainer_kwargs(self) -> dict[str, Any]:
         from lmlab_modelparallel.pipeline_strategy import PipelineStrategy
 
-        accelerator, devices, stages = launch(self.options)
+        accelerator, devices, stages = self.options.processes()
         return {"strategy": PipelineStrategy(stages, process_group_backend=self.options.backend),
                 "accelerator": accelerator, "devices": devices, "num_nodes": self.options.num_nodes}
 
@@ -95,12 +95,14 @@ class PipelineParallel(Parallel):
     def microbatches(self, stages: int) -> int:
         return self.options.n_microbatches or stages
 
-    @hookimpl
-    def lmlab_model_built(self, model, manifest: dict) -> None:
-        # Checked before the trainer launches the other processes, so bad input stops with one line.
-        stages = launch(self.options)[2]
-        self.bounds(len(model.blocks), stages)
-        m, batch = self.microbatches(stages), manifest["train"]["batch_size"]
+    def check(self, context) -> None:
+        # Checked before any process starts, so bad input stops with one line.
+        super().check(context)
+        if not context.machine:
+            return
+        stages = self.options.processes()[2]
+        self.bounds(context.shape.n_layers, stages)
+        m, batch = self.microbatches(stages), context.manifest["train"]["batch_size"]
         if batch % m:
             raise UserError(f"must divide train.batch_size ({batch}); got {m}", key="parallel.n_microbatches")
         if self.options.schedule == "1f1b" and m < stages:
@@ -134,7 +136,7 @@ class PipelineParallel(Parallel):
         sends its output forward and receives a gradient back."""
         from lmlab.api.layout import Collective, MemoryLayout
 
-        _, stages = planned_processes(self.options, world_size)
+        _, stages = self.options.planned_processes(world_size)
         n_layers, m = len(model.blocks), self.microbatches(stages)
         bounds = self.bounds(n_layers, stages)
         total = numel(model) or 1

@@ -36,12 +36,11 @@ from typing import Any
 
 from pydantic import PositiveInt
 
-from lmlab.api import Field, Parallel, UserError, hookimpl
-from lmlab_modelparallel.common import (LaunchOptions, clip_by_global_norm, dtensor_aware_norm, launch, numel,
-                                        planned_processes)
+from lmlab.api import Field, Parallel, UserError
+from lmlab_modelparallel.common import ModelParallelLaunchOptions, clip_by_global_norm, dtensor_aware_norm, numel
 
 
-class TensorParallelOptions(LaunchOptions):
+class TensorParallelOptions(ModelParallelLaunchOptions):
     tensor_parallel_size: PositiveInt | None = Field(
         None, help="processes that split each layer (its heads and hidden units); must divide the "
                    "processes in all, the rest forming FSDP data-parallel replicas; default: the "
@@ -52,11 +51,11 @@ class TensorParallel(Parallel):
     """Layers split across devices by heads and hidden units (Megatron-LM), FSDP across the rest."""
 
     Options = TensorParallelOptions
-    api = ">=1.3,<2"  # Parallel.configure_model, clip_grad_norm; tensor_parallel_plan
+    api = ">=1.6,<2"  # LaunchOptions, Plugin.check; configure_model, clip_grad_norm, tensor_parallel_plan
 
     def sizes(self) -> tuple[str, int, int, int]:
         """(accelerator, processes per node, data-parallel size, tensor-parallel size)."""
-        accelerator, devices, world = launch(self.options)
+        accelerator, devices, world = self.options.processes()
         tp = self.options.tensor_parallel_size or devices
         if world % tp:
             raise UserError(f"must divide the {world} processes (devices × num_nodes); got {tp}",
@@ -74,12 +73,14 @@ class TensorParallel(Parallel):
         return {"strategy": strategy, "accelerator": accelerator, "devices": devices,
                 "num_nodes": self.options.num_nodes}
 
-    @hookimpl
-    def lmlab_model_built(self, model) -> None:
-        # Before the trainer launches the other processes: a layout the modules refuse is bad input.
+    def check(self, context) -> None:
+        # Before any process starts: a layout the modules refuse (heads that do not split) is bad input.
+        super().check(context)
+        if not context.machine:
+            return
         _, _, _, tp = self.sizes()
-        if tp > 1:
-            plans(model, tp)
+        if tp > 1 and context.model is not None:
+            plans(context.model, tp)  # on the meta device: the plans, no weights
 
     def configure_model(self, model, device_mesh) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -103,7 +104,7 @@ class TensorParallel(Parallel):
         the activations in forward and one in backward for attention and for the ffn."""
         from lmlab.api.layout import Collective, MemoryLayout
 
-        per_node, n = planned_processes(self.options, world_size)
+        per_node, n = self.options.planned_processes(world_size)
         tp = self.options.tensor_parallel_size or per_node
         if n % tp:
             raise UserError(f"must divide the {n} processes planned for; got {tp}", key="parallel.tensor_parallel_size")

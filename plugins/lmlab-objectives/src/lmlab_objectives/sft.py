@@ -49,6 +49,15 @@ class SFT(CausalLM):
         super().__init__(options)
         self.sampling = "windows" if self.options.packing else "documents"
 
+    def check(self, context) -> None:
+        """Before the data is read (API 1.6): a data source that says it yields plain text leaves
+        nothing to mask."""
+        data = context.plugins.get("data")
+        if getattr(data, "yields_records", None) is False:
+            raise UserError(f"sft scores only the response tokens of prompt/response records, and data plugin "
+                            f"{data.name!r} yields plain text; use a data source that yields Records, such as "
+                            "alpaca", key="objective.use")
+
     def token_labels(self, split: TokenSplit):
         if split.loss_mask is None:
             raise UserError("sft scores only the response tokens of prompt/response records, and this corpus has "

@@ -18,19 +18,10 @@ tests), ``fork`` being unsafe once CUDA is initialised.
 
 from typing import Any, Literal
 
-from pydantic import PositiveInt
-
-from lmlab.api import Field, Options, Parallel
-from lmlab.api.parallel import resolve_devices
+from lmlab.api import Field, LaunchOptions, Parallel
 
 
-class DDPOptions(Options):
-    devices: PositiveInt | Literal["auto"] = Field(
-        "auto", help="processes (devices) per node; auto = every GPU, or 1 on the CPU")
-    num_nodes: int = Field(1, ge=1, help="number of machines")
-    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps"] = Field("auto", help="device type")
-    backend: str | None = Field(
-        None, help="torch.distributed backend (nccl, gloo, ...); default nccl on GPUs, gloo on the CPU")
+class DDPOptions(LaunchOptions):
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = Field(
         "popen", help="how worker processes start; popen re-runs the command (torchrun/SLURM friendly)")
     find_unused_parameters: bool = Field(
@@ -47,15 +38,13 @@ class DistributedDataParallel(Parallel):
     """One model replica per device; gradients all-reduced after each backward pass."""
 
     Options = DDPOptions
-    api = ">=1.3,<2"  # resolve_devices
+    api = ">=1.6,<2"  # LaunchOptions
 
     def trainer_kwargs(self) -> dict[str, Any]:
         from lightning.pytorch.strategies import DDPStrategy
 
         o = self.options
-        # Checked here, before the run starts, rather than by Lightning in the middle of it; Lightning
-        # still gets the options as written.
-        resolve_devices(o.accelerator, o.devices)
+        o.processes()  # checked against the machine (check did so too); Lightning gets the options as written
         strategy = DDPStrategy(
             process_group_backend=o.backend,  # None: Lightning picks nccl for CUDA, gloo otherwise
             start_method=o.start_method,
@@ -73,17 +62,9 @@ class DistributedDataParallel(Parallel):
         from lmlab.api.layout import Collective, MemoryLayout  # API 1.4; here so older cores still load the plugin
 
         o = self.options
-        n = world_size or _devices_per_node(o.devices) * o.num_nodes
+        n = o.planned_processes(world_size)[1]
         views = o.gradient_as_bucket_view
         all_reduce = Collective("all-reduce", "gradients", n, note="bucketed, overlapped with the backward pass")
         return MemoryLayout(devices=n, persistent_grads=views, grad_buffers=0.0 if views else 1.0,
                             collectives=(all_reduce,) if n > 1 else ())
 
-
-def _devices_per_node(devices: int | str) -> int:
-    """``devices`` as a number; ``auto`` counts this machine's GPUs (one process on a CPU-only one)."""
-    if devices != "auto":
-        return int(devices)
-    import torch
-
-    return torch.cuda.device_count() or 1

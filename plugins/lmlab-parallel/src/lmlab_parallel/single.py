@@ -22,9 +22,10 @@ class SingleDevice(Parallel):
     """Train in this process on one device (Lightning's single-device strategy)."""
 
     Options = SingleDeviceOptions
+    api = ">=1.6,<2"  # Parallel.device_type
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        accelerator = _resolve(self.options.accelerator)
+        accelerator = self.device_type()  # the "auto" rule of lmlab.api.resolve_devices
         if accelerator == "cpu":
             # Lightning reads an int for the CPU as a number of processes, not an index.
             return {"strategy": "auto", "accelerator": "cpu", "devices": 1, "num_nodes": 1}
@@ -41,16 +42,3 @@ class SingleDevice(Parallel):
 
         return MemoryLayout(devices=1)
 
-
-def _resolve(accelerator: str) -> str:
-    """The concrete device type for an accelerator name; a UserError when it is not available."""
-    has_cuda = torch.cuda.is_available()
-    has_mps = torch.backends.mps.is_available()
-    if accelerator == "auto":
-        return "cuda" if has_cuda else "mps" if has_mps else "cpu"
-    if accelerator == "gpu" and (has_cuda or has_mps):
-        return "cuda" if has_cuda else "mps"
-    if accelerator == "cpu" or (accelerator == "cuda" and has_cuda) or (accelerator == "mps" and has_mps):
-        return accelerator
-    raise UserError(f"accelerator {accelerator!r} is not available on this machine "
-                    "(use \"auto\" or \"cpu\")", key="parallel.accelerator")

@@ -66,6 +66,12 @@ class LibraryMethod(Peft):
     def target_names(self, model: nn.Module) -> list[str]:
         return resolve_roles(model, self.options.targets, key="peft.targets")
 
+    def check(self, context) -> None:
+        """Before anything is built (API 1.6): every target role names layers of this model (its modules'
+        ``peft_roles``, read on the meta-device model)."""
+        if context.model is not None:
+            self.target_names(context.model)
+
     def apply(self, model: nn.Module, manifest: dict) -> None:
         peft = import_peft()
         config = self.config(peft, pattern(self.target_names(model)), model, manifest)

@@ -1,6 +1,6 @@
 """The corpus as training sees it: the prepared token shards, memory-mapped, and the fitted tokenizer.
 
-``prepare(variant)`` opens the variant's entry of the token cache, running ``lmlab prepare``'s
+``load_tokens(variant)`` opens the variant's entry of the token cache, running ``lmlab prepare``'s
 pipeline (:mod:`lmlab.prepare.pipeline`) first when the entry is missing. The cache key hashes the
 data (its fingerprint), the tokenizer, the filters and all their options, so every variant and run
 that shares them re-uses one copy; a variant that changes only the model or the optimizer never
@@ -54,21 +54,25 @@ class TokenData:
         return out
 
 
-def prepare(variant, root: Path | None = None, workers: int | None = None) -> TokenData:
-    """Token arrays for the variant's data, filters and tokenizer, from the cache or built into it."""
-    return open_prepared(variant, pipeline.prepare(variant, root, workers=workers))
+def load_tokens(variant, root: Path | None = None, workers: int | None = None, tokenizer=None) -> TokenData:
+    """Token arrays for the variant's data, filters and tokenizer, from the cache or built into it.
+    ``tokenizer``: the variant's tokenizer instance to fit (or load) rather than a new one."""
+    return open_prepared(variant, pipeline.prepare_corpus(variant, root, workers=workers, tokenizer=tokenizer),
+                         tokenizer)
 
 
-def open_prepared(variant, directory: Path) -> TokenData:
-    """The cache entry at ``directory`` (``<cache>/tokens/<key>``, as :func:`pipeline.prepare` returns
-    it), verified against its checksums first (once per process); a damaged entry is rebuilt."""
+def open_prepared(variant, directory: Path, tokenizer=None) -> TokenData:
+    """The cache entry at ``directory`` (``<cache>/tokens/<key>``, as :func:`pipeline.prepare_corpus`
+    returns it), verified against its checksums first (once per process); a damaged entry is rebuilt.
+    Its fitted tokenizer is loaded into ``tokenizer`` (a new instance of the variant's by default)."""
     try:
         index = entry.index(directory)
     except entry.Damaged:
-        # prepare checks again under the builders' lock, says what is wrong, and rebuilds
-        directory = pipeline.prepare(variant, root=directory.parent.parent, key=directory.name)
+        # prepare_corpus checks again under the builders' lock, says what is wrong, and rebuilds
+        directory = pipeline.prepare_corpus(variant, root=directory.parent.parent, key=directory.name,
+                                            tokenizer=tokenizer)
         index = entry.index(directory)
-    tokenizer = variant.instantiate("tokenizer")
+    tokenizer = tokenizer if tokenizer is not None else variant.instantiate("tokenizer")
     tokenizer.load(directory / "tokenizer")
     arrays = {split: shards.open_split(directory, index["shards"][split], "bin", index["dtype"])
               for split in ("train", "val")}

@@ -1,0 +1,71 @@
+"""Checks before training: what a variant's plugins cannot do together, found by ``lmlab check`` and by
+``lmlab run`` before it reads any data, each as one UserError naming the manifest key.
+
+The core checks its own rule (a PEFT method names the parallel plugins it runs under); every plugin
+then checks itself against the shape, the other plugins and this machine (``Plugin.check``, API 1.6);
+and the model is built once on the meta device, where the core refuses a bidirectional objective with
+an attention plugin that attends one way only, a plugin's ``build`` refuses what its options cannot
+do with the shape, and plugins that need the modules (PEFT targets, tensor-parallel plans) look at
+them. Nothing here allocates a tensor's memory, reads
+the data or fits a tokenizer: a tokenizer that learns its vocabulary from the data leaves the
+vocabulary unknown here, and what depends on it is checked when the run starts.
+"""
+
+from lmlab.api import CheckContext, UserError
+from lmlab.assemble import assemble
+
+
+def run(variant, machine: bool = True) -> CheckContext:
+    """Run every check of ``variant``; returns the context the plugins saw."""
+    import torch
+
+    built = assemble(variant, model=False, vocabulary_unknown_ok=True)
+    plugins = built.plugins
+    peft = plugins.get("peft")
+    if peft is not None:
+        from lmlab.train.adapters import check_parallel
+
+        check_parallel(peft, variant.manifest)
+    try:
+        with torch.device("meta"), _without_random_init():
+            model = built.build_model()  # the core and the plugins' build methods refuse here
+    except UserError:
+        raise
+    except (NotImplementedError, RuntimeError, TypeError, ValueError):
+        model = None  # a module that cannot be built on the meta device is checked when the run builds it
+    context = CheckContext(shape=built.shape, plugins=plugins, manifest=variant.manifest, model=model,
+                           vocabulary_known=built.tokenizer is not None, machine=machine)
+    for value in plugins.values():
+        for plugin in value if isinstance(value, list) else [value]:
+            plugin.check(context)
+    return context
+
+
+def run_all(variants) -> None:
+    """Run every variant's checks; a refusal in a sweep names the variant as well as the key."""
+    for variant in variants:
+        try:
+            run(variant)
+        except UserError as exc:
+            if len(variants) == 1:
+                raise
+            raise UserError(f"{exc.message} (variant {variant.name})", key=exc.key) from None
+
+
+
+def _without_random_init():
+    """A torch-function mode that skips random initialisation, which a meta tensor has no values for:
+    torch's meta ``normal_`` runs through its Python reference implementations and imports
+    torch._dynamo, over a second that would otherwise be most of what ``lmlab check`` costs."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    random_fills = {torch.Tensor.normal_, torch.nn.init.normal_, torch.nn.init.trunc_normal_}
+
+    class WithoutRandomInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in random_fills:  # the tensor filled in place is returned, as the real ones do
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **(kwargs or {}))
+
+    return WithoutRandomInit()
