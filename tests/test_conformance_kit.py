@@ -1,6 +1,8 @@
 """The conformance kit (lmlab.testing): every installed first-party attention, position and ffn plugin
 passes it, and plugins broken in one specific way each fail it, with a message naming the check."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,6 +184,19 @@ def test_an_attention_that_compiles_to_something_else_fails_the_compile_check():
                                        "from the eager output")
 
 
+def test_a_failing_compile_check_leaves_no_torch_trace_records_in_the_test_report(caplog):
+    # torch's "torch.__trace" logger stays at DEBUG and pytest captures non-propagating loggers too: a
+    # failing kit test used to print some 80 empty DEBUG lines of it.
+    trace = logging.getLogger("torch.__trace")
+    level = trace.level
+    plugin = broken_attention("shapeshifter", forward=compile_sensitive_forward)
+    with caplog.at_level(logging.DEBUG):
+        found = failures(plugin, skip=[n for n in check_names("attention") if n != "compile"])
+    assert set(found) == {"compile"}, found
+    assert [r for r in caplog.records if r.name.startswith("torch.__trace")] == []
+    assert trace.level == level  # restored for whoever traces after the kit
+
+
 # -- position and ffn plugins broken in one way each ------------------------------------------------
 
 class MeanPositionModule(PositionModule):
@@ -308,3 +323,78 @@ def test_a_parallel_check_fails_when_fewer_processes_train_than_were_to(tmp_path
     with pytest.raises(AssertionError, match="2 processes were to train, 1 took part"):
         check_parallel_matches_single('use = "single"\naccelerator = "cpu"', tmp_path, replicas=1, processes=2,
                                       steps=4)
+
+
+# -- options the default shape never exercises: a sliding window of 32 in 16 positions --------------
+
+class WindowOptions(Options):
+    window: int = Field(32, ge=2, help="each query attends to itself and the window - 1 positions before it")
+
+
+class WindowCache:
+    """The keys and values of the last ``keep`` positions: all that a later query may see."""
+
+    def __init__(self, keep: int):
+        self.keep, self.k, self.v = keep, None, None
+
+    def append(self, k, v):
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        first = max(0, k.shape[2] - self.keep)
+        self.k, self.v = k[:, :, first:], v[:, :, first:]
+        return k, v
+
+    def reorder(self, index):
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class SlidingWindowModule(TinyAttentionModule):
+    """Sliding-window attention (Mistral's) with its own cache of the last window - 1 keys; ``evict_early``
+    keeps one key fewer, so decoding drops a key the full forward still attends to."""
+
+    def __init__(self, shape, window: int, evict_early: bool = False):
+        super().__init__(shape)
+        self.window, self.evict_early = window, evict_early
+
+    def write_cache(self, state, k, v, start):
+        return state.append(k, v)
+
+    def mask(self, q_positions, k_positions):
+        before = k_positions[None, :] <= q_positions[:, None]
+        return before & (k_positions[None, :] > q_positions[:, None] - self.window)
+
+    def new_state(self, batch_size, max_len, device, dtype):
+        return WindowCache(self.window - (2 if self.evict_early else 1))
+
+
+class SlidingWindow(TinyAttention):
+    name = "sliding"
+    Options = WindowOptions
+    evict_early = False
+
+    def build(self, shape, layer):
+        return SlidingWindowModule(shape, self.options.window, self.evict_early)
+
+
+class EarlyEvictingWindow(SlidingWindow):
+    name = "early-evicting"
+    evict_early = True
+
+
+def test_a_window_larger_than_the_default_block_is_exercised_at_the_plugins_own_options():
+    # At the default block_size of 16 the cache never holds 30 keys, so the early eviction went unseen.
+    found = failures(EarlyEvictingWindow, skip=["compile"])
+    assert set(found) == {"incremental_decoding", "cache_reorder"}, found
+    assert found["incremental_decoding"].startswith(
+        "early-evicting: incremental_decoding: at block_size 67, past option window = 32: the cached "), found
+    with pytest.raises(ConformanceError, match="(?m)^early-evicting: incremental_decoding: at block_size 67, "):
+        check_attention(EarlyEvictingWindow)  # its default options: a window of 32
+    check_attention(SlidingWindow)
+
+
+def test_a_window_the_default_block_fills_is_checked_there_alone():
+    with pytest.raises(ConformanceError,
+                       match=r"(?m)^early-evicting \(window=5\): incremental_decoding: the cached single step"):
+        check_attention(EarlyEvictingWindow, {"window": 5}, skip=["compile"])
+    check_attention(SlidingWindow, {"window": 5}, skip=["compile"])

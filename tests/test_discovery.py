@@ -65,8 +65,18 @@ def site(tmp_path) -> Path:
     return site
 
 
-def cli(site, *args):
-    return run_cli(*args, env={"PYTHONPATH": str(site)})
+def cli(site, *args, **env):
+    return run_cli(*args, env={"PYTHONPATH": str(site), "LMLAB_CACHE": str(site.parent / "cache"), **env})
+
+
+def marks(listing: str) -> dict[str, str]:
+    """plugin name → what `lmlab plugins` says is wrong with it ("" when nothing)."""
+    found = {}
+    for line in listing.splitlines():
+        if line.startswith("  ") and "(not installed" not in line:
+            name, _, rest = line.strip().partition(" ")
+            found[name] = rest.partition("  ! ")[2]
+    return found
 
 
 def test_plugins_lists_fakes_without_importing_any_plugin_or_torch(site):
@@ -82,6 +92,7 @@ def test_plugins_lists_fakes_without_importing_any_plugin_or_torch(site):
     assert "IMPORTED []" in out
     assert "broken" in out and "lmlab-fake 0.3" in out
     assert "also declared by another distribution" in out  # gqa from lmlab-attention and lmlab-rival
+    assert "! cannot load: no module lmlab_fake_missing.module" in out  # marking imports nothing either
 
 
 @pytest.mark.parametrize("name, message", [
@@ -121,6 +132,103 @@ def test_a_plugin_that_calls_sys_exit_when_imported_is_contained_like_any_broken
     assert "left out of the schema" in schema.stderr and "'exits'" in schema.stderr
     assert json.loads(schema.stdout)["properties"]["ffn"]  # every other plugin is still there
     assert cli(site, "check", str(tiny_manifest()), "-q").returncode == 0  # not named: never imported
+
+
+def test_plugins_marks_those_that_cannot_load_and_only_those(site):
+    from lmlab.api.version import API_VERSION
+
+    result = cli(site, "plugins", "ffn")
+    assert result.returncode == 0, result.stderr
+    found = marks(result.stdout)
+    assert found["broken"] == "cannot load: no module lmlab_fake_missing.module"
+    assert found["old-api"] == f"needs lmlab.api >=0.1,<1 (this is {API_VERSION})"
+    assert found["not-a-plugin"] == "is not a subclass of lmlab.api.FFN"
+    assert found["zero"] == found["mlp"] == found["swiglu"] == ""
+    assert found["bad-hook"] == ""  # only importing it tells (`lmlab plugins --check`)
+    again = cli(site, "plugins", "ffn")  # from the cache of what each file says: the same
+    assert again.stdout == result.stdout and (site.parent / "cache" / "plugins" / "sources.json").is_file()
+
+
+STATIC = {
+    "needs.py": "import lmlab_not_installed_anywhere\nfrom lmlab_fake import Identity as Needs\n",
+    "typo.py": "from lmlab_fake import Identity\n\nclass Typo(Identity:\n    pass\n",
+    "old.py": "from lmlab_fake import OldApi\n\n\nclass Older(OldApi):\n    pass\n",
+    "reexport.py": "from .old import Older as Renamed\n",
+    "optional.py": ("try:\n    import lmlab_not_installed_anywhere\nexcept ImportError:\n    pass\n"
+                    "from lmlab_fake import Identity\n\n\nclass Optional(Identity):\n    api = '>=1.0'\n"),
+    "sibling.py": "from lmlab_static.gone import Thing\n",
+}
+
+
+def test_plugins_reads_imports_re_exports_and_inherited_ranges_from_the_source(site):
+    fake_dist(site, "lmlab-static", "lmlab_static", "", {"lmlab.ffn": {
+        "needs": "lmlab_static.needs:Needs", "typo": "lmlab_static.typo:Typo",
+        "renamed": "lmlab_static.reexport:Renamed",
+        "optional": "lmlab_static.optional:Optional", "sibling": "lmlab_static.sibling:Thing",
+        "misnamed": "lmlab_static.old:Oldest"}})
+    for name, source in STATIC.items():
+        (site / "lmlab_static" / name).write_text(source)
+    found = marks(cli(site, "plugins", "ffn").stdout)
+    assert found["needs"] == "needs lmlab_not_installed_anywhere, which is not installed"
+    assert found["typo"].startswith("cannot load: SyntaxError in ") and "typo.py, line 3" in found["typo"]
+    assert found["renamed"].startswith("needs lmlab.api >=0.1,<1")  # two re-exports, then its base's range
+    assert found["sibling"] == "cannot load: no module lmlab_static.gone"
+    assert found["misnamed"] == "cannot load: lmlab_static.old has no Oldest"
+    assert found["optional"] == ""  # an import under try may fail; its own range includes this lmlab
+
+
+def test_a_plugin_that_failed_when_imported_is_marked_until_it_loads(site, tiny_manifest):
+    fake_dist(site, "lmlab-exiting", "lmlab_exiting", "import sys\nsys.exit(3)\n",
+              {"lmlab.ffn": {"exits": "lmlab_exiting:Thing"}})
+    fake_dist(site, "lmlab-flaky", "lmlab_flaky", "import os\nif os.environ.get('FLAKY'):\n"
+              "    raise RuntimeError('told to fail')\nfrom lmlab_fake import Identity as Thing\n",
+              {"lmlab.ffn": {"flaky": "lmlab_flaky:Thing"}})
+    assert "failed to load" not in cli(site, "plugins", "ffn").stdout  # nothing was imported yet
+    for name, env in (("exits", {}), ("flaky", {"FLAKY": "1"})):
+        assert cli(site, "check", str(tiny_manifest(f'[ffn]\nuse = "{name}"\n')), "-q", **env).returncode == 2
+    found = marks(cli(site, "plugins", "ffn").stdout)
+    assert found["exits"] == "failed to load when last imported: SystemExit: 3"
+    assert found["flaky"] == "failed to load when last imported: RuntimeError: told to fail"
+    assert found["zero"] == ""
+    assert cli(site, "check", str(tiny_manifest('[ffn]\nuse = "flaky"\n')), "-q").returncode == 0
+    assert marks(cli(site, "plugins", "ffn").stdout)["flaky"] == ""  # it loaded since: the record is gone
+    (site / "lmlab_exiting" / "__init__.py").write_text("from lmlab_fake import Identity as Thing\n")
+    assert marks(cli(site, "plugins", "ffn").stdout)["exits"] == ""  # about a file that has changed
+
+
+def test_an_unwritable_cache_folder_changes_nothing_but_speed(site, tiny_manifest):
+    cache = site.parent / "not-a-folder"
+    cache.write_text("")
+    checked = cli(site, "check", str(tiny_manifest('[ffn]\nuse = "broken"\n')), "-q", LMLAB_CACHE=str(cache))
+    assert checked.returncode == 2 and checked.stderr.count("\n") == 1, checked.stderr
+    listed = cli(site, "plugins", "ffn", LMLAB_CACHE=str(cache))
+    assert listed.returncode == 0 and listed.stderr == ""
+    assert marks(listed.stdout)["broken"] == "cannot load: no module lmlab_fake_missing.module"
+    (site.parent / "cache" / "plugins").mkdir(parents=True)
+    (site.parent / "cache" / "plugins" / "sources.json").write_text("{not json")
+    assert cli(site, "plugins", "ffn").stdout == listed.stdout  # a damaged cache is read as an empty one
+
+
+def test_plugins_check_imports_every_plugin_and_names_each_that_fails(site):
+    result = cli(site, "plugins", "--check")
+    assert result.returncode == 1, result.stderr
+    failing = {line.split("'")[1]: line for line in result.stdout.splitlines()
+               if line.startswith(("ffn:", "attention:"))}
+    assert sorted(failing) == ["bad-hook", "broken", "gqa", "not-a-plugin", "old-api"]
+    assert "invalid hook implementation" in failing["bad-hook"] and "lmlab-fake 0.3" in failing["bad-hook"]
+    assert "is not a subclass of lmlab.api.FFN" in failing["not-a-plugin"]
+    assert "lmlab-rival" in failing["gqa"]  # each distribution's plugin, though two declare the name
+    assert "fail" in result.stdout.splitlines()[-1]
+    found = marks(cli(site, "plugins", "ffn").stdout)  # what --check learnt, the listing now shows
+    assert found["bad-hook"].startswith("refused when last loaded: has an invalid hook implementation")
+    assert found["zero"] == ""
+
+
+def test_plugins_check_passes_with_the_first_party_plugins(tmp_path):
+    result = run_cli("plugins", "--check", env={"LMLAB_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    loaded, _, total = result.stdout.split()[:3]
+    assert loaded == total and int(total) > 40
 
 
 def test_plugins_of_one_slot(site):

@@ -1,7 +1,8 @@
 """Entry points → plugin classes.
 
 Listing reads installed distributions' metadata and imports no plugin module (``lmlab plugins``
-stays fast). Loading goes through stevedore, one named plugin at a time, so a manifest imports only
+stays fast; lmlab.plugin_health says which cannot load from their source and from failures recorded
+here). Loading goes through stevedore, one named plugin at a time, so a manifest imports only
 the plugins it names; every loaded class is checked against its slot's contract before use.
 """
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from lmlab.errors import UserError
+from lmlab import plugin_health
+from lmlab.errors import UserError, did_you_mean
 from lmlab.slots import MANY_SLOTS, SLOTS  # noqa: F401 — what discovery knows, re-exported
 
 GROUP_PREFIX = "lmlab."
@@ -96,35 +98,47 @@ def find(slot: str, name: str, key: str) -> PluginInfo:
 def load(slot: str, name: str, key: str | None = None):
     """Import and check plugin ``name`` of ``slot``; returns its class with ``name`` set."""
     key = key or f"{slot}.use"
-    info = find(slot, name, key)
+    return load_plugin(find(slot, name, key), key)
+
+
+def load_plugin(info: PluginInfo, key: str):
+    """Import and check the plugin ``info`` (one distribution's, even where two declare its name).
+    The outcome is recorded for ``lmlab plugins``, which shows failures without importing anything."""
     cls = _import(info, key)
     from lmlab.plugin_check import check_plugin_class  # imports lmlab.api (pydantic, torch)
 
-    check_plugin_class(cls, slot, info, key)
-    cls.name = name
+    try:
+        check_plugin_class(cls, info.slot, info, key)
+    except UserError as exc:
+        # The message names the plugin, then its target, then what is wrong: keep what is wrong.
+        plugin_health.remember_failure(info, "check", exc.message.partition(f"({info.target})")[2].lstrip(": ")
+                                       or exc.message)
+        raise
+    plugin_health.forget_failure(info)
+    cls.name = info.name
     return cls
 
 
 def _import(info: PluginInfo, key: str):
     from stevedore import driver
 
-    failures: list[BaseException] = []
+    failures: dict[str, BaseException] = {}  # target → why it failed to import
+
+    def ours(_namespace, _name, extensions):  # two distributions declare the name: `plugins --check`
+        return next((e for e in extensions if e.entry_point.value == info.target), extensions[0])
+
     try:
         manager = driver.DriverManager(
-            f"{GROUP_PREFIX}{info.slot}", info.name, invoke_on_load=False,
-            on_load_failure_callback=lambda _mgr, _ep, exc: failures.append(exc),
+            f"{GROUP_PREFIX}{info.slot}", info.name, invoke_on_load=False, conflict_resolver=ours,
+            on_load_failure_callback=lambda _mgr, ep, exc: failures.setdefault(ep.value, exc),
             on_missing_entrypoints_callback=lambda names: None)
-        return manager.driver
+        if manager.extensions[0].entry_point.value == info.target:
+            return manager.driver
+        raise LookupError(f"no entry point {info.target!r} loaded")  # the other distribution's did
     # stevedore reports a failed import as "no match": show the real cause. SystemExit too: a plugin
     # module that calls sys.exit() when imported is broken like any other, not a reason to stop.
     except (Exception, SystemExit) as exc:
-        cause = failures[0] if failures else exc
+        cause = failures.get(info.target, exc)
+        plugin_health.remember_failure(info, "import", f"{type(cause).__name__}: {cause}")
         raise UserError(f"plugin {info.name!r} from {info.distribution} {info.version} failed to load "
                         f"({info.target}): {type(cause).__name__}: {cause}", key=key) from cause
-
-
-def did_you_mean(word: str, choices) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -19,3 +19,11 @@ class UserError(Exception):
 def warn(message: str) -> None:
     """One line on stderr that the user should read, whatever else is printed or hidden."""
     print(f"lmlab: warning: {message}", file=sys.stderr, flush=True)
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``word``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmlab.discovery import did_you_mean
+from lmlab.errors import did_you_mean
 from lmlab.errors import UserError
 from lmlab.slots import DEFAULT_PLUGINS, SLOTS
 from lmlab.tables import CORE_TABLE_NAMES, TOP_LEVEL, read_toml

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from lmlab.discovery import did_you_mean
+from lmlab.errors import did_you_mean
 from lmlab.errors import UserError
 
 TOP_LEVEL = ("name", "seed", "description", "sweep")
@@ -45,9 +45,12 @@ def validate_options(options_cls, values: Any, prefix: str, base_dir: Path, plug
 
 
 def _user_error(exc, options_cls, prefix: str, plugin: str | None) -> UserError:
+    from lmlab.api.options import TYPE_ERROR
+
     errors = exc.errors()
     first = errors[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    # Past the option's name, a string in the location names a union member (`constrained-int`), not a key.
+    loc = ".".join(str(p) for i, p in enumerate(first["loc"]) if i == 0 or not isinstance(p, str))
     key = f"{prefix}.{loc}" if loc else prefix
     owner = f" of plugin {plugin!r}" if plugin else f" in [{prefix}]"
     if first["type"] == "extra_forbidden":
@@ -55,7 +58,7 @@ def _user_error(exc, options_cls, prefix: str, plugin: str | None) -> UserError:
         message = f"unknown option{owner}{did_you_mean(loc, names)}"
     else:
         message = first["msg"]
-        if first["type"] != "missing":
+        if first["type"] not in ("missing", TYPE_ERROR):  # a type error says what it got, as TOML wrote it
             message += f" (got {first['input']!r})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return UserError(message + more, key=key)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lmlab import discovery
 from lmlab.config import CORE_TABLES, OPTIONAL_TABLES
-from lmlab.discovery import did_you_mean
+from lmlab.errors import did_you_mean
 from lmlab.errors import UserError
 from lmlab.slots import MANY_SLOTS, SLOTS, TABLE
 from lmlab.tables import NAME_PATTERN, TOP_LEVEL, validate_options

@@ -1,7 +1,16 @@
-"""lmlab.api — the only module plugins import from the core.
+"""lmlab.api: the only module plugins import from the core.
 
 One base class per slot, typed options, the shapes and caches architecture plugins share, and the
-lifecycle hookspecs. Versioned by ``API_VERSION``; see ``lmlab.api.version`` for the policy.
+lifecycle hookspecs. Versioned by ``API_VERSION``; see [lmlab.api.version][lmlab.api.version] for the
+policy. Each slot's base class says what the core calls, when, with what shapes and dtypes and in
+which mode; ``SLOT_BASES`` maps each slot's name to that class (``SLOT_BASES["attention"]`` is
+[Attention][lmlab.api.attention.Attention]; the ``monitor`` and ``compress`` slots take any
+[Plugin][lmlab.api.plugin.Plugin], acting through hooks).
+
+How to write, test and publish a plugin: the README's section "Writing and publishing a plugin".
+The reference of every name here is rendered from these docstrings by
+``.venv/bin/python -m mkdocs build --strict`` (``mkdocs.yml`` at the repository root, pages in
+``docs/``).
 
 Names are imported from their submodules on first use (PEP 562), so a plugin that needs only what
 does not touch torch (a data source, a filter, a tokenizer) loads without it: ``lmlab prepare``'s

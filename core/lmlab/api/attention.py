@@ -18,35 +18,87 @@ from lmlab.api.shape import ModelShape
 
 @dataclass
 class MixerContext:
-    """What every layer of one forward pass shares: built once per forward by the model.
-
-    ``positions`` (T,) are the absolute positions of the T input tokens; ``start`` is how many tokens
-    the inference cache already holds (0 in training, where ``cache`` is None). ``causal`` (API 1.4):
-    True, output t sees inputs ≤ t only; False, every output sees every input (no mask at all; a
-    position scheme's ``attention_bias`` still applies, for keys on both sides). It is fixed for a
-    model when it is built, so a module may branch on it without a cost per step.
-    """
+    """What every layer of one forward pass shares: built once per forward by the model, and passed
+    to every [AttentionModule][lmlab.api.attention.AttentionModule]."""
 
     position: PositionModule
+    """The model's position module: rotate queries and keys with
+    [rotate][lmlab.api.position.PositionModule.rotate] and add
+    [attention_bias][lmlab.api.position.PositionModule.attention_bias] to the scores (each a no-op
+    for schemes that do not act there; see its flags)."""
     positions: torch.Tensor
+    """(T,) int64 absolute positions of the T input tokens, on the input's device:
+    ``start, ..., start + T - 1``."""
     start: int = 0
+    """How many tokens the inference cache already holds (0 in training and evaluation, where there
+    is no cache)."""
     causal: bool = True
+    """True: output t sees inputs ≤ t only. False: every output sees every input (no mask at all;
+    a position scheme's ``attention_bias`` still applies, for keys on both sides), in a model built
+    for a bidirectional objective (API 1.4). It is fixed for a model when it is built, so a module
+    may branch on it without a cost per step."""
 
 
 class AttentionModule(nn.Module):
-    """forward(x (B, T, C), ctx, state) → (B, T, C). Causal when ``ctx.causal`` (output t sees inputs
-    ≤ t only); when the plugin declares ``Attention.bidirectional``, with ``ctx.causal`` False every
-    output sees every input."""
+    """The token mixer of one block: ``forward(x (B, T, C), ctx, state) → (B, T, C)``. Causal when
+    ``ctx.causal`` (output t sees inputs ≤ t only); when the plugin declares
+    [Attention.bidirectional][lmlab.api.attention.Attention.bidirectional], with ``ctx.causal`` False
+    every output sees every input.
+
+    The block calls it on its normalised input and adds the result to the residual stream (after
+    dropout). Parameter and buffer names are part of the checkpoint format.
+    """
 
     def forward(self, x: torch.Tensor, ctx: MixerContext, state=None) -> torch.Tensor:
+        """Mix information across the T positions of ``x``.
+
+        Called for every block in every forward pass: in training (``self.training`` True,
+        gradients on, under the precision's autocast; again during backward when
+        ``train.checkpointing`` recomputes the block), in evaluation (eval mode, no gradients) and
+        in decoding (eval mode, ``torch.no_grad()``, with ``state``).
+
+        Args:
+            x: (B, T, C) hidden states, C = ``shape.d_model``, on the parameters' device. Under a
+                ``*-mixed`` precision the pass runs inside ``torch.autocast``, so dtypes follow its
+                rules (the norm before the module may hand it float32); otherwise the parameters'
+                dtype.
+            ctx: Positions, the position module and whether to mask, shared by every layer.
+            state: None without a cache (training, evaluation); in decoding, this layer's state from
+                [new_state][lmlab.api.attention.AttentionModule.new_state]: ``x`` then continues
+                the ``ctx.start`` tokens the state already holds, and the module adds the new
+                tokens to it and attends over all of them.
+
+        Returns:
+            The mixed hidden states, (B, T, C), for the residual add.
+        """
         raise NotImplementedError
 
     def new_state(self, batch_size: int, max_len: int, device, dtype):
-        """Fresh inference state for decoding up to ``max_len`` tokens (see ``lmlab.api.cache``)."""
+        """Fresh inference state for decoding up to ``max_len`` tokens (see
+        [lmlab.api.cache][lmlab.api.cache]).
+
+        Called by the model's ``new_cache``, once per layer per generation (and again when a
+        [Stepper][lmlab.api.decoding.Stepper] slides its window).
+
+        Args:
+            batch_size: Rows decoded together (B).
+            max_len: Positions the state must hold, at most the model's ``max_context``.
+            device: The model's device.
+            dtype: The model's parameter dtype.
+
+        Returns:
+            An object with ``reorder(index)`` ([LayerState][lmlab.api.cache.LayerState]), e.g. a
+            [KVCache][lmlab.api.cache.KVCache].
+        """
         raise NotImplementedError
 
     def reset_parameters(self, shape: ModelShape) -> None:
-        """Initialise weights; output projections into the residual use ``shape.residual_init_std``."""
+        """Initialise weights; output projections into the residual use ``shape.residual_init_std``.
+
+        Called once when the model is built, right after every module is made, before any starting
+        weights are loaded; the model calls it, so ``__init__`` need not initialise again. Draw from
+        the global random generator (seeded by the run's seed). Default: nothing.
+        """
 
     def tensor_parallel_plan(self, tp_size: int) -> dict | None:
         """How to split this module over ``tp_size`` tensor-parallel ranks (API 1.3): a plan for
@@ -79,15 +131,30 @@ class AttentionModule(nn.Module):
 
 
 class Attention(Plugin):
-    """The token mixer of each block: :meth:`build` makes one :class:`AttentionModule` per layer, causal,
-    and bidirectional too when the plugin declares :attr:`bidirectional`."""
+    """The token mixer of each block: [build][lmlab.api.attention.Attention.build] makes one
+    [AttentionModule][lmlab.api.attention.AttentionModule] per layer, causal, and bidirectional too
+    when the plugin declares [bidirectional][lmlab.api.attention.Attention.bidirectional]."""
 
     slot = "attention"
-    #: Whether the modules honour ``MixerContext.causal = False`` (API 1.4). A model for a bidirectional
-    #: objective (``mlm``) is built only with a plugin that says True; ``lmlab.testing.check_attention``
-    #: then checks that every output really sees every input. A recurrent mixer stays False.
     bidirectional: ClassVar[bool] = False
+    """Whether the modules honour ``MixerContext.causal = False`` (API 1.4). A model for a
+    bidirectional objective (``mlm``) is built only with a plugin that says True;
+    ``lmlab.testing.check_attention`` then checks that every output really sees every input. A
+    recurrent mixer stays False."""
 
     def build(self, shape: ModelShape, layer: int) -> AttentionModule:
-        """Called once per block when the model is assembled."""
+        """Make the mixer of block ``layer``.
+
+        Called once per block whenever a model is built: for a run, for ``lmlab check`` (on the
+        meta device: allocate nothing, read no data) and ``lmlab plan`` (on fake tensors), and when
+        ``generate``, ``eval`` or ``merge`` load a trained run. Raise a UserError naming the option
+        for a setting that does not fit the shape (heads that do not divide ``d_model``).
+
+        Args:
+            shape: The model's shape.
+            layer: The block's index, 0 to ``shape.n_layers - 1``.
+
+        Returns:
+            A new module (never one shared between blocks).
+        """
         raise NotImplementedError

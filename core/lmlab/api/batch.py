@@ -6,18 +6,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # targets with this value contribute nothing to the loss
+IGNORE_INDEX = -100
+"""Targets with this value contribute nothing to the loss (``torch.nn.functional.cross_entropy``'s
+default ``ignore_index``), nor to the count by which evaluation weights each batch's loss."""
 
 
 @dataclass
 class Batch:
-    """input_ids (B, T) and targets (B, T) of token ids; targets may hold IGNORE_INDEX."""
+    """What an objective makes of sampled tokens
+    ([Objective.make_batch][lmlab.api.objective.Objective.make_batch]): the model's input and what
+    [Objective.loss][lmlab.api.objective.Objective.loss] scores its logits against."""
 
     input_ids: torch.Tensor
+    """(B, T) int64 token ids fed to the model, T ≤ ``model.block_size``."""
     targets: torch.Tensor
+    """(B, T) int64 target ids, one per input position;
+    [IGNORE_INDEX][lmlab.api.batch.IGNORE_INDEX] where nothing is scored."""
 
     @property
     def n_tokens(self) -> int:
+        """Input tokens in the batch (B · T)."""
         return self.input_ids.numel()
 
 
@@ -30,29 +38,34 @@ def stream_seed(*key: int) -> int:
 
 @dataclass
 class Windows:
-    """What an objective that overrides ``Objective.make_batch_from`` receives (API 1.4): rows of
-    tokens and what was sampled alongside them, already on the training device.
+    """What an objective that overrides
+    [Objective.make_batch_from][lmlab.api.objective.Objective.make_batch_from] receives (API 1.4):
+    rows of tokens and what was sampled alongside them, already on the training device.
 
-    ``tokens`` (B, L) int64: consecutive tokens of the corpus, L = block_size + 1 (a random or fixed
-    window; with ``Objective.sampling = "documents"`` one document per row from its first token,
-    truncated, and padded where ``padding`` is True). ``labels`` (B, L) uint8: what the objective's
-    ``token_labels`` gave for these positions (None when it gave nothing). ``padding`` (B, L) bool,
-    True on padding (None: no row is padded); padded tokens hold an arbitrary id.
-
-    Randomness: :meth:`rand` and :meth:`randint` draw from a generator seeded by the run's seed, the
-    split and the batch index, so a batch's random choices (which tokens to mask) are the same again
-    in a resumed run. The draw is made for the whole global batch and sliced (``first_row``,
+    Randomness: [rand][lmlab.api.batch.Windows.rand] and [randint][lmlab.api.batch.Windows.randint]
+    draw from a generator seeded by the run's seed, the split and the batch index (in training, the
+    optimizer step), so a batch's random choices (which tokens to mask) are the same again in a
+    resumed run. The draw is made for the whole global batch and sliced (``first_row``,
     ``total_rows``), so a data-parallel replica gets exactly the numbers a single device drawing the
     global batch would for the same rows. Successive calls continue one stream: make them in a fixed
     order.
     """
 
     tokens: torch.Tensor
+    """(B, L) int64: consecutive tokens of the corpus, L = block_size + 1 (a random or fixed window;
+    with ``Objective.sampling = "documents"`` one document per row from its first token, truncated,
+    and padded where ``padding`` is True)."""
     labels: torch.Tensor | None = None
+    """(B, L) uint8: what the objective's ``token_labels`` gave for these positions (None when it
+    gave nothing)."""
     padding: torch.Tensor | None = None
+    """(B, L) bool, True on padding (None: no row is padded); padded tokens hold an arbitrary id."""
     seed: int = 0
-    first_row: int = 0  # this batch's first row within the global batch
-    total_rows: int | None = None  # rows of the global batch; None: this batch is the whole of it
+    """The seed of this batch's random stream."""
+    first_row: int = 0
+    """This batch's first row within the global batch."""
+    total_rows: int | None = None
+    """Rows of the global batch; None: this batch is the whole of it."""
 
     def to(self, device, non_blocking: bool = False) -> "Windows":
         """The same windows on ``device`` (Lightning moves batches with this)."""
@@ -62,6 +75,7 @@ class Windows:
                                    padding=move(self.padding))
 
     def pin_memory(self) -> "Windows":
+        """The same windows in pinned host memory (torch's DataLoader calls this with ``pin_memory=True``)."""
         def pin(t):
             return None if t is None else t.pin_memory()
         return dataclasses.replace(self, tokens=pin(self.tokens), labels=pin(self.labels), padding=pin(self.padding))

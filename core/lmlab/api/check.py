@@ -9,20 +9,26 @@ from lmlab.api.shape import ModelShape
 
 @dataclass
 class CheckContext:
-    """The variant a plugin is part of, for :meth:`lmlab.api.Plugin.check` (API 1.6).
+    """The variant a plugin is part of, for [Plugin.check][lmlab.api.plugin.Plugin.check] (API 1.6).
 
-    ``shape`` is the model's shape; its ``vocab_size`` is a stand-in when ``vocabulary_known`` is False
-    (a tokenizer that learns its vocabulary from the data, before the data is read). ``plugins`` maps
-    each slot to the variant's plugin instance (a list for many-valued slots), ``manifest`` is the
-    resolved manifest (every default filled in). ``model`` is the variant's model built on the meta
-    device (every module and parameter shape, no memory), or None when some module cannot be built
-    there. ``machine`` says whether to check against this machine's devices: ``lmlab check`` and
-    ``lmlab run`` do, ``lmlab plan`` (which plans for other machines) does not.
+    Built by ``lmlab check`` and ``lmlab run`` (before it prepares the data) once per variant,
+    after every plugin is instantiated and the objective is set up, and handed to every plugin's
+    ``check`` in turn.
     """
 
     shape: ModelShape
+    """The model's shape; its ``vocab_size`` is a stand-in when ``vocabulary_known`` is False."""
     plugins: Mapping[str, Any]
+    """Slot → the variant's plugin instance (a list for many-valued slots)."""
     manifest: Mapping[str, Any]
+    """The resolved manifest (every default filled in), nested: ``manifest["train"]["precision"]``."""
     model: Any = None
+    """The variant's model built on the meta device (every module and parameter shape, no memory),
+    or None when some module cannot be built there."""
     vocabulary_known: bool = True
+    """False when the tokenizer learns its vocabulary from the data, which is not read before the
+    checks: the shape's ``vocab_size`` is then a stand-in."""
     machine: bool = True
+    """Whether to check against this machine's devices: True from ``lmlab check`` and ``lmlab run``;
+    False when the variant is checked for other machines (a plan), where device counts and
+    accelerators must not be judged by this one's."""

@@ -11,10 +11,13 @@ from lmlab.api.plugin import Plugin
 
 @dataclass(frozen=True)
 class Segment:
-    """A piece of a :class:`Record`'s text, and whether a prompt-masked objective scores its tokens."""
+    """A piece of a [Record][lmlab.api.data.Record]'s text, and whether a prompt-masked objective
+    scores its tokens."""
 
     text: str
+    """The piece of text, joined to its neighbours with nothing in between."""
     scored: bool = True
+    """Whether a prompt-masked objective (``sft``) scores this segment's tokens."""
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,13 @@ class Record:
     ``lmlab prepare`` tokenises the segments one after another (adding nothing between them) and
     writes, beside the tokens, a mask that is 1 on the tokens of scored segments and on the
     end-of-document token, 0 on the others: a prompt-masked objective (``sft``) scores only where it
-    is 1, while ``causal-lm`` trains on the whole text. Filters decide on the whole :attr:`text` and
-    rewrite each segment on its own, so a replacement never crosses the prompt/response boundary.
+    is 1, while ``causal-lm`` trains on the whole text. Filters decide on the whole
+    [text][lmlab.api.data.Record.text] and rewrite each segment on its own, so a replacement never
+    crosses the prompt/response boundary.
     """
 
     segments: tuple[Segment, ...]
+    """The parts of the document, in order."""
 
     @classmethod
     def prompt_response(cls, prompt: str, response: str) -> "Record":
@@ -37,6 +42,7 @@ class Record:
 
     @property
     def text(self) -> str:
+        """The whole text: the segments' texts joined with nothing in between."""
         return "".join(s.text for s in self.segments)
 
     def map_text(self, fn: Callable[[str], str]) -> "Record":
@@ -44,8 +50,9 @@ class Record:
         return Record(tuple(Segment(fn(s.text), s.scored) for s in self.segments))
 
 
-#: What a data source yields: plain text, or a Record whose segments say which parts are scored.
 Document = Union[str, Record]
+"""What a data source yields: plain text, or a [Record][lmlab.api.data.Record] whose segments say
+which parts are scored."""
 
 
 def document_text(doc: Document) -> str:
@@ -54,7 +61,7 @@ def document_text(doc: Document) -> str:
 
 
 class DataOptions(Options):
-    """Options every data source has."""
+    """Options every data source has; a plugin's options subclass these."""
 
     val_fraction: float = Field(
         0.1, gt=0, lt=1, help="share of the corpus held out for validation: the end of a single document, "
@@ -67,39 +74,61 @@ class DataOptions(Options):
 class DataSource(Plugin):
     """Yields documents; ``lmlab prepare`` filters, tokenises and caches them once.
 
-    :meth:`documents` is consumed as a stream, once per preparation (again from the start when an
-    interrupted one resumes), so a corpus larger than memory works: yield documents one at a time,
-    as ``str`` or as :class:`Record`. Raise ``UserError`` (naming the file and line) for bad input.
+    [documents][lmlab.api.data.DataSource.documents] is consumed as a stream, in the main process,
+    once per preparation of the token cache (by ``lmlab prepare``, or by ``lmlab run`` or another
+    command that needs the tokens when the cache lacks the variant's entry), so a corpus larger than
+    memory works: yield documents one at a time, as ``str`` or as [Record][lmlab.api.data.Record].
+    Raise [UserError][lmlab.api.errors.UserError] (naming the file and line) for bad input.
 
     The validation split is deterministic: when the corpus (after the filters) is one text document,
     its last ``val_fraction`` of characters (nanoGPT's tiny-shakespeare split); otherwise documents
     are assigned in corpus order so that after every n documents, floor(n · val_fraction) of them are
-    validation ones — every tenth document for 0.1, spread evenly through the corpus.
+    validation ones (every tenth document for 0.1, spread evenly through the corpus).
     """
 
     slot = "data"
     Options = DataOptions
-    #: What :meth:`documents` yields, when the plugin can say before reading (API 1.6): True, only
-    #: :class:`Record`\ s; False, only plain text; None, it depends on the data. An objective that scores
-    #: only parts of Records (``sft``) refuses plain text at ``lmlab check`` instead of at the first batch.
     yields_records: ClassVar[bool | None] = None
+    """What [documents][lmlab.api.data.DataSource.documents] yields, when the plugin can say before
+    reading (API 1.6): True, only [Record][lmlab.api.data.Record]s; False, only plain text; None, it
+    depends on the data. An objective that scores only parts of Records (``sft``) refuses plain text
+    at ``lmlab check`` instead of at the first batch."""
 
     def documents(self) -> Iterable[Document]:
+        """The corpus, one document at a time, in a fixed order.
+
+        Called in the main process by the preparation (iterated to the end; an interrupted
+        preparation that resumes calls it again and skips the documents it already has, so the
+        order must be the same every time) and by ``lmlab eval``, which points the source at a
+        held-out file and reads [Record][lmlab.api.data.Record]s until it has enough.
+
+        Returns:
+            An iterable (a generator, typically) of ``str`` or [Record][lmlab.api.data.Record];
+            anything else fails the preparation.
+
+        Raises:
+            UserError: Input that cannot be read (naming the file and line).
+        """
         raise NotImplementedError
 
     def fingerprint(self) -> str:
         """A string that changes whenever the documents change; part of the token-cache key.
 
-        The default hashes the options; sources that read files should also hash their contents.
+        Called in the main process whenever the cache key is computed (each ``lmlab prepare`` and
+        ``lmlab run`` of the variant), so it should cost less than reading the corpus. The default
+        hashes the plugin's name and options (all but ``replay``); sources that read files should
+        also hash their contents.
         """
         # replay decides what training mixes in, not which documents this source yields.
         blob = json.dumps(self.options.model_dump(mode="json", exclude={"replay"}), sort_keys=True)
         return hashlib.sha256(f"{self.name}:{blob}".encode()).hexdigest()
 
     def stats(self) -> dict[str, int]:
-        """Counts worth reporting once :meth:`documents` is exhausted (lines or files skipped, ...).
+        """Counts worth reporting once [documents][lmlab.api.data.DataSource.documents] is exhausted
+        (lines or files skipped, ...).
 
-        ``lmlab prepare`` prints them and records them in the token cache's index and in
-        ``summary.json`` (``data.source``). Default: none.
+        Called once per preparation, in the main process, after the last document. ``lmlab prepare``
+        prints them and records them in the token cache's index and in ``summary.json``
+        (``data.source``). Default: none.
         """
         return {}

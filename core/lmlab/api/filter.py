@@ -10,72 +10,104 @@ class Filter(Plugin):
     """Drops or rewrites documents before they are split, fitted on and tokenised.
 
     ``use = ["quality", "pii-scrub", "minhash-dedup"]`` applies the filters in that order to every
-    document. Each filter is instantiated in every worker process of the preparation, so its
-    per-document methods must depend only on the document and the options:
+    document, each seeing what the previous ones left. Each filter is instantiated in every worker
+    process of the preparation (and in the main process, which filters too while the workers start),
+    so its per-document methods must depend only on the document and the options:
 
-    - :meth:`keep` decides on the whole text (of a :class:`~lmlab.api.Record` too): False drops it;
-    - :meth:`transform` rewrites text, applied to each segment of a Record on its own;
-    - :meth:`apply` combines the two; override it only to treat Records differently.
+    - [keep][lmlab.api.filter.Filter.keep] decides on the whole text (of a
+      [Record][lmlab.api.data.Record] too): False drops it;
+    - [transform][lmlab.api.filter.Filter.transform] rewrites text, applied to each segment of a
+      Record on its own;
+    - [apply][lmlab.api.filter.Filter.apply] combines the two; override it only to treat Records
+      differently.
 
     A *corpus-level* filter (near-duplicate removal) compares documents with one another, which no
-    single worker can. It sets ``corpus_level = True``: :meth:`signature` then runs in the workers on
-    each document that reaches the filter, and :meth:`admit` in the main process on those signatures,
-    once per document and in corpus order, returning False to drop the document. The instance that
-    admits keeps whatever state it needs; :meth:`state_dict` hands that state to the preparation's
-    checkpoints and :meth:`load_state_dict` takes it back when an interrupted preparation resumes.
-    A checkpoint is never a pickle (a shared cache is writable by others, and unpickling runs
-    whatever code a planted file names): the state is NumPy arrays and JSON values only. A
-    corpus-level filter that does not implement them still works, but a preparation using it keeps
-    no checkpoint of its filtering: interrupted there, it filters again from the first document.
+    single worker can. It sets ``corpus_level = True``: instead of the three methods above,
+    [signature][lmlab.api.filter.Filter.signature] then runs in the workers on each document that
+    reaches the filter, and [admit][lmlab.api.filter.Filter.admit] in the main process on those
+    signatures, once per document and in corpus order, returning False to drop the document. The
+    instance that admits keeps whatever state it needs;
+    [state_dict][lmlab.api.filter.Filter.state_dict] hands that state to the preparation's
+    checkpoints and [load_state_dict][lmlab.api.filter.Filter.load_state_dict] takes it back when an
+    interrupted preparation resumes. A checkpoint is never a pickle (a shared cache is writable by
+    others, and unpickling runs whatever code a planted file names): the state is NumPy arrays and
+    JSON values only. A corpus-level filter that does not implement them still works, but a
+    preparation using it keeps no checkpoint of its filtering: interrupted there, it filters again
+    from the first document.
 
-    :meth:`count` adds to counters reported beside the filter's documents and characters kept and
-    dropped (``summary.json``'s ``data_filters``): which rule dropped a document, what was masked.
+    [count][lmlab.api.filter.Filter.count] adds to counters reported beside the filter's documents
+    and characters kept and dropped (``summary.json``'s ``data_filters``): which rule dropped a
+    document, what was masked.
     """
 
     slot = "filter"
     corpus_level: ClassVar[bool] = False
+    """True for a filter that compares documents with one another
+    ([signature][lmlab.api.filter.Filter.signature] and [admit][lmlab.api.filter.Filter.admit]);
+    its [keep][lmlab.api.filter.Filter.keep], [transform][lmlab.api.filter.Filter.transform] and
+    [apply][lmlab.api.filter.Filter.apply] are never called."""
 
     def keep(self, text: str) -> bool:
-        """Whether to keep a document, from its whole text. Default: always."""
+        """Whether to keep a document, from its whole text (a Record's segments joined). Runs in a
+        worker, through the default [apply][lmlab.api.filter.Filter.apply]. Default: always."""
         return True
 
     def transform(self, text: str) -> str:
-        """The text rewritten (a segment of a Record, or a whole plain document). Default: unchanged."""
+        """The text rewritten (a segment of a Record, or a whole plain document). Runs in a worker,
+        through the default [apply][lmlab.api.filter.Filter.apply], on documents
+        [keep][lmlab.api.filter.Filter.keep] kept. Default: unchanged."""
         return text
 
     def apply(self, doc: Document) -> Document | None:
-        """The document, rewritten, or None to drop it. Runs in a worker process."""
+        """The document, rewritten, or None to drop it.
+
+        Runs in a worker process, once per document that reached this filter, for filters that
+        are not corpus-level. The default drops what [keep][lmlab.api.filter.Filter.keep] refuses
+        and passes the text (each segment of a Record) through
+        [transform][lmlab.api.filter.Filter.transform].
+
+        Args:
+            doc: Plain text, or a [Record][lmlab.api.data.Record].
+
+        Returns:
+            A document of the same kind (a Record keeps its segments' ``scored`` flags), or None.
+        """
         if not self.keep(document_text(doc)):
             return None
         return doc.map_text(self.transform) if isinstance(doc, Record) else self.transform(doc)
 
     def signature(self, text: str) -> Any:
-        """Corpus-level filters: what :meth:`admit` needs of a document (a hash, a MinHash). Runs in
-        a worker; the value travels to the main process, so keep it small and picklable."""
+        """Corpus-level filters: what [admit][lmlab.api.filter.Filter.admit] needs of a document (a
+        hash, a MinHash). Runs in a worker on the document's whole text as the filters before this
+        one left it; the value travels to the main process, so keep it small and picklable."""
         return None
 
     def admit(self, signature: Any) -> bool:
         """Corpus-level filters: whether to keep the document with this signature, given every
-        document admitted before it. Runs in the main process, in corpus order."""
+        document admitted before it. Runs in the main process, in corpus order, once for each
+        document that the filters before this one kept."""
         return True
 
     def state_dict(self) -> dict | None:
-        """Corpus-level filters: what :meth:`admit` has learnt so far, called in the main process at
-        each checkpoint of the preparation. A dict (string keys) whose values are NumPy arrays (any
-        dtype but ``object``) or JSON values (str, int, float, bool, None, and lists and dicts of
-        those, arrays inside them too); a checkpoint stores it without pickling. Default: None, "this
-        filter cannot be checkpointed": the preparation then restarts its filtering from the first
-        document when interrupted."""
+        """Corpus-level filters: what [admit][lmlab.api.filter.Filter.admit] has learnt so far, called
+        in the main process at each checkpoint of the preparation. A dict (string keys) whose values
+        are NumPy arrays (any dtype but ``object``) or JSON values (str, int, float, bool, None, and
+        lists and dicts of those, arrays inside them too); a checkpoint stores it without pickling.
+        Default: None, "this filter cannot be checkpointed": the preparation then restarts its
+        filtering from the first document when interrupted."""
         return None
 
     def load_state_dict(self, state: dict) -> None:
-        """Corpus-level filters: take back what :meth:`state_dict` returned, on a fresh instance,
-        before :meth:`admit` sees the documents after the checkpoint; afterwards ``admit`` decides as
-        the instance that saved it would have. Raise ``ValueError`` for a state that does not fit
-        (the preparation then starts over). Called only when :meth:`state_dict` returned a dict."""
+        """Corpus-level filters: take back what [state_dict][lmlab.api.filter.Filter.state_dict]
+        returned, on a fresh instance, before [admit][lmlab.api.filter.Filter.admit] sees the
+        documents after the checkpoint; afterwards ``admit`` decides as the instance that saved it
+        would have. Raise ``ValueError`` for a state that does not fit (the preparation then starts
+        over). Called only when [state_dict][lmlab.api.filter.Filter.state_dict] returned a dict."""
         raise NotImplementedError(f"{type(self).__name__} returns a state_dict but cannot load one")
 
     def count(self, what: str, n: int = 1) -> None:
-        """Add ``n`` to the counter ``what`` of this filter's report."""
+        """Add ``n`` to the counter ``what`` of this filter's report; call it from the per-document
+        methods (``keep``, ``transform``, ``apply``, ``signature``, ``admit``). Counts made in
+        workers and in the main process are summed."""
         counts = self.__dict__.setdefault("_counts", {})
         counts[what] = counts.get(what, 0) + n

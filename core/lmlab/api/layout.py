@@ -1,6 +1,7 @@
 """How a parallel strategy lays a model's training state over devices: what ``lmlab plan`` multiplies.
 
-A parallel plugin describes its layout in a :class:`MemoryLayout` (``Parallel.memory_layout``): the
+A parallel plugin describes its layout in a [MemoryLayout][lmlab.api.layout.MemoryLayout]
+([Parallel.memory_layout][lmlab.api.parallel.Parallel.memory_layout]): the
 fraction of the model's parameters, gradients and optimizer states one device holds, the dtypes it
 keeps them in, what it gathers or buffers on top, and the collectives of one training step. The
 core measures the model (parameter count, optimizer state, activations of one micro-batch) and does
@@ -24,10 +25,10 @@ under ``bf16-true``/``64-true``.
 from dataclasses import dataclass
 from typing import Literal
 
-#: The collectives a layout may name. Volumes assume the bandwidth-optimal ring algorithms, as NCCL's
-#: and gloo's large-message paths do: per device an all-reduce sends 2(g-1)/g of the tensor, an
-#: all-gather or a reduce-scatter (g-1)/g of the full tensor; a send-recv sends the tensor once.
 CollectiveOp = Literal["all-reduce", "all-gather", "reduce-scatter", "send-recv"]
+"""The collectives a layout may name. Volumes assume the bandwidth-optimal ring algorithms, as NCCL's
+and gloo's large-message paths do: per device an all-reduce sends 2(g-1)/g of the tensor, an
+all-gather or a reduce-scatter (g-1)/g of the full tensor; a send-recv sends the tensor once."""
 
 
 @dataclass(frozen=True)
@@ -43,63 +44,78 @@ class Collective:
     """
 
     op: CollectiveOp
+    """The kind of collective."""
     of: Literal["parameters", "gradients", "activations"]
+    """What is sent."""
     group: int
+    """How many devices take part."""
     size: float = 1.0
+    """How much is sent: a fraction of the model's parameters, or a count of activation tensors."""
     per: Literal["step", "micro-batch"] = "step"
+    """Once per optimizer step, or once per micro-batch."""
     dtype: str | None = None
+    """The dtype sent (None: the layout's param/grad dtype, or the compute dtype for activations)."""
     note: str = ""
+    """What the plan prints beside it (when in the step it happens, ...)."""
 
 
 @dataclass(frozen=True)
 class MemoryLayout:
     """Where one training step's memory lives on each device, for ``lmlab plan``.
 
-    Fractions are of the whole model (1.0: a full copy on every device; 1/N: sharded N ways).
+    Fractions are of the whole model (1.0: a full copy on every device; 1/N: sharded N ways). Dtypes
+    are torch dtype names, None meaning what the precision keeps (see the module's description).
     """
 
-    #: processes (devices) the run uses in all
     devices: int
-    #: data-parallel replicas, each training on its own micro-batch (default: ``devices``)
+    """Processes (devices) the run uses in all."""
     replicas: int | None = None
-    #: fraction of the parameters each device stores (ZeRO-3/FSDP: 1/N; tensor parallel: ~1/t)
+    """Data-parallel replicas, each training on its own micro-batch (default: ``devices``)."""
     params: float = 1.0
-    #: fraction of the gradients each device stores after the backward pass (ZeRO-2: 1/N)
+    """Fraction of the parameters each device stores (ZeRO-3/FSDP: 1/N; tensor parallel: ~1/t)."""
     grads: float = 1.0
-    #: fraction of the optimizer states (and the fp32 master weights) each device stores (ZeRO-1: 1/N)
+    """Fraction of the gradients each device stores after the backward pass (ZeRO-2: 1/N)."""
     optimizer: float = 1.0
-    #: multiple of one micro-batch's activations (whole model) a device holds: 1/t under tensor
-    #: parallelism with sequence parallelism, several micro-batches' worth on a pipeline stage
+    """Fraction of the optimizer states (and the fp32 master weights) each device stores (ZeRO-1:
+    1/N)."""
     activations: float = 1.0
-    #: fraction of the parameters held unsharded on top of the shard at the peak (FSDP/ZeRO-3: the
-    #: gathered unit and the prefetched next one; all of them when not resharded after forward)
+    """Multiple of one micro-batch's activations (whole model) a device holds: 1/t under tensor
+    parallelism with sequence parallelism, several micro-batches' worth on a pipeline stage."""
     gathered: float = 0.0
-    #: dtype of the stored parameters and gradients (None: as the precision keeps them, see above)
+    """Fraction of the parameters held unsharded on top of the shard at the peak (FSDP/ZeRO-3: the
+    gathered unit and the prefetched next one; all of them when not resharded after forward)."""
     param_dtype: str | None = None
+    """Dtype of the stored parameters (None: as the precision keeps them)."""
     grad_dtype: str | None = None
-    #: dtype the weights have in the forward pass when the strategy casts them itself (FSDP's
-    #: param_dtype); gathered parameters are in it. None: param_dtype (autocast casts under mixed)
+    """Dtype of the stored gradients (None: as the precision keeps them)."""
     compute_dtype: str | None = None
-    #: the forward pass runs under torch.autocast when the precision is ``*-mixed`` (Lightning's
-    #: precision plugins); False where the strategy casts the model itself instead (DeepSpeed)
+    """Dtype the weights have in the forward pass when the strategy casts them itself (FSDP's
+    param_dtype); gathered parameters are in it. None: ``param_dtype`` (autocast casts under
+    ``*-mixed``)."""
     autocast: bool = True
-    #: a separate fp32 copy of the parameters lives with the optimizer states (DeepSpeed: ZeRO's K = 12)
+    """The forward pass runs under ``torch.autocast`` when the precision is ``*-mixed`` (Lightning's
+    precision plugins); False where the strategy casts the model itself instead (DeepSpeed)."""
     master_weights: bool = False
-    #: gradients stay allocated between steps (DDP's bucket views) rather than freed by zero_grad
+    """A separate fp32 copy of the parameters lives with the optimizer states (DeepSpeed: ZeRO's
+    K = 12)."""
     persistent_grads: bool = False
-    #: the strategy frees gradients right after the optimizer step (DeepSpeed's engine), not after the
-    #: next forward pass as Lightning's loop does, so they are not allocated while activations peak
+    """Gradients stay allocated between steps (DDP's bucket views) rather than freed by
+    ``zero_grad``."""
     grads_freed_at_step: bool = False
-    #: fraction of the gradients held again in persistent communication buffers (DDP's buckets when
-    #: gradients are not views of them)
+    """The strategy frees gradients right after the optimizer step (DeepSpeed's engine), not after
+    the next forward pass as Lightning's loop does, so they are not allocated while activations
+    peak."""
     grad_buffers: float = 0.0
-    #: optimizer states (and master weights) live in host memory and are stepped there
+    """Fraction of the gradients held again in persistent communication buffers (DDP's buckets when
+    gradients are not views of them)."""
     offload_optimizer: bool = False
-    #: the stored parameter shards live in host memory and are copied in when gathered
+    """Optimizer states (and master weights) live in host memory and are stepped there."""
     offload_params: bool = False
+    """The stored parameter shards live in host memory and are copied in when gathered."""
     collectives: tuple[Collective, ...] = ()
-    #: what the plan should say about this layout (one line each)
+    """The communication of one training step, as seen by one device."""
     notes: tuple[str, ...] = ()
+    """What the plan should say about this layout (one line each)."""
 
     def __post_init__(self):
         if self.devices < 1:
@@ -110,4 +126,5 @@ class MemoryLayout:
 
     @property
     def data_parallel(self) -> int:
+        """Data-parallel replicas: ``replicas``, or ``devices`` when it is None."""
         return self.replicas if self.replicas is not None else self.devices

@@ -8,16 +8,37 @@ from lmlab.api.cache import InferenceCache
 
 
 class LanguageModel(Protocol):
-    """The assembled model, as a decoder sees it."""
+    """The assembled model, as a decoder sees it (the core's ``lmlab.model.LanguageModel``, an
+    ``nn.Module``): token embedding, position module, ``blocks``, final norm and head."""
 
     block_size: int
+    """``model.block_size``: the window length the model was trained on."""
     vocab_size: int
+    """Rows of the embedding and head: the logits' last dimension V."""
 
     def __call__(self, idx: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
-        """idx (B, T) → logits (B, T, V). With a cache, idx continues the cached tokens."""
+        """idx (B, T) → logits (B, T, V). With a cache, idx continues the cached tokens.
+
+        Args:
+            idx: (B, T) int64 token ids on the model's device.
+            cache: None to score ``idx`` alone; else a cache from
+                [new_cache][lmlab.api.model.LanguageModel.new_cache] whose ``length`` tokens
+                ``idx`` continues (its length grows by T).
+
+        Returns:
+            Logits (B, T, V); in decoding (no autocast), in the parameters' dtype.
+
+        Raises:
+            ValueError: Positions past [max_context][lmlab.api.model.LanguageModel.max_context].
+        """
 
     def new_cache(self, batch_size: int, max_len: int) -> InferenceCache:
-        """An empty cache for up to ``max_len`` tokens (at most ``max_context``)."""
+        """An empty cache for up to ``max_len`` tokens (at most ``max_context``).
+
+        Raises:
+            ValueError: ``max_len`` past ``max_context``, a bidirectional model, or a pipeline
+                stage: none of them can decode.
+        """
 
     @property
     def max_context(self) -> int | None:

@@ -1,24 +1,30 @@
 """The objective slot: what the model learns to predict, and how batches are drawn for it.
 
 The simplest objective (``causal-lm``) takes windows of T+1 consecutive tokens through
-:meth:`Objective.make_batch` and scores every next token. An objective that needs more (API 1.4)
-says so with class attributes and methods the core reads once, when the run is built:
+[Objective.make_batch][lmlab.api.objective.Objective.make_batch] and scores every next token. An
+objective that needs more (API 1.4) says so with class attributes and methods the core reads once,
+when the run is built:
 
-- ``causal = False``: the model is built with bidirectional attention (``MixerContext.causal`` False),
-  which only attention plugins declaring ``Attention.bidirectional`` support; another is refused,
-  naming ``attention.use``. Such a model cannot generate text left to right.
+- ``causal = False``: the model is built with bidirectional attention
+  ([MixerContext.causal][lmlab.api.attention.MixerContext.causal] False), which only attention plugins
+  declaring [Attention.bidirectional][lmlab.api.attention.Attention.bidirectional] support; another
+  is refused, naming ``attention.use``. Such a model cannot generate text left to right.
 - ``special_tokens``: names of tokens the objective inserts (``("mask",)`` for BERT's [MASK]). Each
-  gets the tokenizer's own id when it has one (``Tokenizer.special_id``), else an id past the
+  gets the tokenizer's own id when it has one
+  ([Tokenizer.special_id][lmlab.api.tokenizer.Tokenizer.special_id]), else an id past the
   tokenizer's vocabulary; the model's vocabulary grows to hold them (unless ``model.vocab_size``
-  already leaves room). :meth:`setup` receives the ids in a :class:`Vocabulary`.
+  already leaves room). [Objective.setup][lmlab.api.objective.Objective.setup] receives the ids in a
+  [Vocabulary][lmlab.api.objective.Vocabulary].
 - ``sampling = "documents"``: each row of a batch is one document from its first token, truncated to
   block_size + 1 tokens and padded (training draws documents in a shuffled order per epoch, a pure
   function of seed and step; validation takes every validation document once).
-- :meth:`token_labels`: per-token labels sampled alongside the windows (the prepared loss mask of a
-  corpus of Records, regions of code, ...), computed from a :class:`TokenSplit` once per split.
-- :meth:`make_batch_from`: overriding it is what asks for all of the above: it receives
-  :class:`~lmlab.api.batch.Windows` (tokens, labels, padding, a seeded random stream) instead of a
-  plain tensor. An objective that does not override it costs nothing extra per step.
+- [Objective.token_labels][lmlab.api.objective.Objective.token_labels]: per-token labels sampled
+  alongside the windows (the prepared loss mask of a corpus of Records, regions of code, ...),
+  computed from a [TokenSplit][lmlab.api.objective.TokenSplit] once per split.
+- [Objective.make_batch_from][lmlab.api.objective.Objective.make_batch_from]: overriding it is what
+  asks for all of the above: it receives [Windows][lmlab.api.batch.Windows] (tokens, labels,
+  padding, a seeded random stream) instead of a plain tensor. An objective that does not override it
+  costs nothing extra per step.
 """
 
 from collections.abc import Callable, Mapping
@@ -34,85 +40,172 @@ from lmlab.api.plugin import Plugin
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """The token ids of a run, as :meth:`Objective.setup` sees them (API 1.4).
-
-    ``tokenizer_size``: the tokenizer produces ids in [0, tokenizer_size). ``size``: rows of the model's
-    embedding and head (≥ tokenizer_size + the reserved special ids). ``special``: name → id of each
-    token of ``Objective.special_tokens``, the tokenizer's own or reserved past its vocabulary.
-    """
+    """The token ids of a run, as [Objective.setup][lmlab.api.objective.Objective.setup] sees them
+    (API 1.4)."""
 
     size: int
+    """Rows of the model's embedding and head: at least ``tokenizer_size`` plus the special ids
+    reserved past it (more when ``model.vocab_size`` says so)."""
     tokenizer_size: int
+    """The tokenizer produces ids in ``[0, tokenizer_size)``."""
     special: Mapping[str, int] = field(default_factory=dict)
+    """Name → id of each token of [Objective.special_tokens][lmlab.api.objective.Objective.special_tokens]:
+    the tokenizer's own, or one reserved past its vocabulary (in the order the objective names them)."""
     eos_id: int | None = None
+    """The tokenizer's end-of-document id ([Tokenizer.eos_id][lmlab.api.tokenizer.Tokenizer.eos_id]),
+    or None."""
 
 
 @dataclass(frozen=True)
 class TokenSplit:
-    """One split of the prepared corpus, as :meth:`Objective.token_labels` sees it (API 1.4).
+    """One split of the prepared corpus, as
+    [Objective.token_labels][lmlab.api.objective.Objective.token_labels] sees it (API 1.4).
 
-    ``tokens`` (N,) token ids and ``loss_mask`` (N,) uint8 are array-likes (a numpy memmap, or a view
-    of several shards) supporting ``len``, slicing and integer-array indexing of any shape; read them in
-    chunks, not whole, as a corpus may not fit in memory. ``loss_mask`` is 1 where a prompt-masked
-    objective scores the token (the scored segments of Records and each document's end token); None
-    when the corpus has no unscored text. ``document_starts`` (n_documents,) int64: the offset of each
-    document's first token (documents are consecutive, each ending where the next starts).
+    ``tokens`` and ``loss_mask`` are array-likes (a numpy memmap, or a view of several shards)
+    supporting ``len``, slicing and integer-array indexing of any shape; read them in chunks, not
+    whole, as a corpus may not fit in memory.
     """
 
     name: Literal["train", "val"]
+    """Which split this is."""
     tokens: Any
+    """(N,) the split's token ids (an unsigned integer dtype wide enough for the vocabulary)."""
     loss_mask: Any | None
+    """(N,) uint8, 1 where a prompt-masked objective scores the token (the scored segments of
+    Records and each document's end token); None when the corpus has no unscored text."""
     document_starts: np.ndarray
-    tokenizer: Any  # the fitted lmlab.api.Tokenizer
+    """(n_documents,) int64: the offset of each document's first token (documents are consecutive,
+    each ending where the next starts)."""
+    tokenizer: Any
+    """The fitted [Tokenizer][lmlab.api.tokenizer.Tokenizer] the split was encoded with."""
 
 
-#: positions (B, L) int64 of tokens in a split → their labels (B, L) uint8
 LabelFunction = Callable[[np.ndarray], np.ndarray]
+"""What [Objective.token_labels][lmlab.api.objective.Objective.token_labels] returns: token positions
+(B, L) int64 in a split → their labels (B, L) uint8."""
 
 
 class Objective(Plugin):
     """What the model learns: how a batch of token windows (or documents) becomes inputs and targets,
     and the loss over them. It also says what it needs of the model and the data: causal or not,
-    special tokens, windows or padded documents, per-token labels."""
+    special tokens, windows or padded documents, per-token labels (see the module's description).
+
+    Per step the core calls [make_batch][lmlab.api.objective.Objective.make_batch] (or
+    [make_batch_from][lmlab.api.objective.Objective.make_batch_from]) and then
+    [loss][lmlab.api.objective.Objective.loss] on the model's logits for the batch's ``input_ids``,
+    in training (``model.train()``, gradients on, under the precision's autocast) and in evaluation
+    (``model.eval()``, under ``torch.inference_mode`` or ``torch.no_grad``), in every process, on
+    the training device. Both should be pure functions of their inputs (and of the batch's random
+    stream): a resumed run draws the same batches again and should get the same losses.
+    """
 
     slot = "objective"
 
-    #: False: every position sees the whole window (bidirectional attention), e.g. masked LM (API 1.4).
     causal: ClassVar[bool] = True
-    #: Names of the special tokens the objective needs ids for, e.g. ("mask",) (API 1.4).
+    """False: every position sees the whole window (bidirectional attention), e.g. masked LM
+    (API 1.4). Such a run has no closing sample, and ``lmlab generate`` refuses it."""
     special_tokens: ClassVar[tuple[str, ...]] = ()
-    #: "windows": rows are windows of block_size + 1 consecutive tokens at random (training) or fixed
-    #: (validation) offsets; "documents": one document per row, truncated and padded (API 1.4). An
-    #: instance may set it from its options.
+    """Names of the special tokens the objective needs ids for, e.g. ``("mask",)`` (API 1.4)."""
     sampling: Literal["windows", "documents"] = "windows"
+    """``"windows"``: rows are windows of block_size + 1 consecutive tokens at random (training) or
+    fixed (validation) offsets; ``"documents"``: one document per row, truncated and padded, which
+    needs [make_batch_from][lmlab.api.objective.Objective.make_batch_from] overridden (API 1.4). An
+    instance may set it from its options."""
 
     def setup(self, vocab: Vocabulary) -> None:
-        """Called once when the run is built, before any batch: the model's vocabulary and the ids of
-        ``special_tokens`` (API 1.4). Default: nothing."""
+        """Receive the run's vocabulary and the ids of ``special_tokens`` (API 1.4).
+
+        Called once whenever a variant is assembled, before any batch: by ``lmlab run`` in every
+        process, and by ``lmlab check``, ``lmlab plan``, ``generate``, ``eval`` and ``merge``.
+        Under ``lmlab check``, when the tokenizer learns its vocabulary from the data, the sizes and
+        reserved ids are stand-ins (a vocabulary of 256). Default: nothing.
+
+        Args:
+            vocab: The sizes and the special ids.
+        """
 
     def token_labels(self, split: TokenSplit) -> LabelFunction | None:
-        """Called once per split when the run is built, for objectives that override
-        :meth:`make_batch_from` (API 1.4): a function from token positions (B, L) to per-token labels
-        (B, L) uint8, which the sampler applies to every batch's positions (``Windows.labels``); or
-        None (default) for no labels. Vectorise it: it runs on every batch. Raise ``UserError`` when
-        the data cannot serve the objective (a prompt-masked objective on a corpus without masks)."""
+        """The per-token labels sampled with every batch of ``split`` (API 1.4).
+
+        Called once per split (``"train"`` and ``"val"``) in every process when the run's data
+        module is built, and only for objectives that override
+        [make_batch_from][lmlab.api.objective.Objective.make_batch_from]. The sampler applies the
+        returned function to the token positions of every batch it draws, in its loader, and hands
+        the result to [make_batch_from][lmlab.api.objective.Objective.make_batch_from] as
+        ``Windows.labels``. Vectorise it: it runs on every batch.
+
+        Args:
+            split: The prepared split: tokens, loss mask, document starts, tokenizer.
+
+        Returns:
+            A function from positions (B, L) int64 to labels (B, L) uint8, or None (the default)
+            for no labels.
+
+        Raises:
+            UserError: The data cannot serve the objective (a prompt-masked objective on a corpus
+                without masks).
+        """
         return None
 
     def make_batch(self, windows: torch.Tensor) -> Batch:
-        """windows (B, T+1) of consecutive tokens → a Batch. Default: predict the next token."""
+        """Turn token windows into model inputs and targets.
+
+        Called for every micro-batch, in training and evaluation, when the objective does not
+        override [make_batch_from][lmlab.api.objective.Objective.make_batch_from]. Default: predict
+        the next token (``input_ids = windows[:, :-1]``, ``targets = windows[:, 1:]``).
+
+        Args:
+            windows: (B, T+1) int64 consecutive tokens of the corpus, on the training device; B is
+                ``train.batch_size`` in training (one micro-batch of one data-parallel replica),
+                at most ``train.eval_batch_size`` in evaluation; T is ``model.block_size``.
+
+        Returns:
+            The batch: ``input_ids`` and ``targets`` (B, T) int64.
+        """
         return Batch(windows[:, :-1], windows[:, 1:])
 
     def make_batch_from(self, windows: Windows) -> Batch:
-        """A :class:`~lmlab.api.batch.Windows` (tokens (B, T+1), labels, padding, a seeded random
-        stream) → a Batch whose ``input_ids`` have at most block_size columns (API 1.4). Override it to
-        receive Windows; the default passes the tokens to :meth:`make_batch`."""
+        """Turn [Windows][lmlab.api.batch.Windows] into model inputs and targets (API 1.4).
+
+        Override it to receive Windows (labels, padding, a seeded random stream) instead of plain
+        tensors; called where [make_batch][lmlab.api.objective.Objective.make_batch] would be. The
+        default passes the tokens to [make_batch][lmlab.api.objective.Objective.make_batch].
+
+        Args:
+            windows: Tokens (B, block_size + 1) int64 on the training device, with what was sampled
+                alongside them.
+
+        Returns:
+            The batch, whose ``input_ids`` have at most ``model.block_size`` columns.
+        """
         return self.make_batch(windows.tokens)
 
     @classmethod
     def wants_windows(cls) -> bool:
-        """Whether batches reach this objective as Windows (it overrides :meth:`make_batch_from`)."""
+        """Whether batches reach this objective as Windows (it overrides
+        [make_batch_from][lmlab.api.objective.Objective.make_batch_from]); read once by the core."""
         return cls.make_batch_from is not Objective.make_batch_from
 
     def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """logits (B, T, V) → scalar loss to minimise (and to report as train/val loss)."""
+        """The scalar loss to minimise, and to report as ``train_loss`` and ``val_loss``.
+
+        Called once per micro-batch after the model's forward pass on ``batch.input_ids``: in
+        training with gradients on (the core adds auxiliary losses, divides by ``train.grad_accum``
+        and calls ``backward``), in evaluation without. A parallel plugin that runs the passes
+        itself calls it on parts of the batch
+        ([Parallel.forward_backward][lmlab.api.parallel.Parallel.forward_backward]).
+
+        It must be the mean over the targets that are not
+        [IGNORE_INDEX][lmlab.api.batch.IGNORE_INDEX]: evaluation weights each batch's loss by its
+        number of such targets to get the loss of the whole validation set.
+
+        Args:
+            logits: (B, T, V) scores over the model's vocabulary, in the compute dtype (bfloat16 or
+                float16 under the ``*-mixed`` precisions' autocast, else the parameters' dtype).
+            batch: What [make_batch][lmlab.api.objective.Objective.make_batch] or
+                [make_batch_from][lmlab.api.objective.Objective.make_batch_from] returned.
+
+        Returns:
+            A 0-dim floating-point tensor on the logits' device.
+        """
         raise NotImplementedError

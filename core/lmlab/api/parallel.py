@@ -17,14 +17,15 @@ if TYPE_CHECKING:
 
     from lmlab.api.batch import Batch
 
-    #: the objective's loss: (logits (B, T, V), batch) → scalar
     LossFn = Callable[["torch.Tensor", "Batch"], "torch.Tensor"]
+    """The objective's loss: (logits (B, T, V), batch) → scalar."""
 
 
 class LaunchOptions(Options):
     """Where the processes of a multi-process parallel plugin run (API 1.6): the options every such
     plugin shares, so that a manifest says them the same way whatever the strategy. A plugin's Options
-    subclass these and may narrow ``accelerator`` to the device types its strategy supports."""
+    subclass these and may narrow ``accelerator`` to the device types its strategy supports. The
+    default [Parallel.check][lmlab.api.parallel.Parallel.check] checks them against the machine."""
 
     devices: PositiveInt | Literal["auto"] = Field(
         "auto", help="processes (devices) per node; auto = every GPU, or 1 on the CPU")
@@ -35,7 +36,8 @@ class LaunchOptions(Options):
 
     def processes(self) -> tuple[str, int, int]:
         """(device type, processes per node, processes in all), checked against this machine
-        (:func:`resolve_devices`)."""
+        ([resolve_devices][lmlab.api.parallel.resolve_devices]); a UserError naming the option this
+        machine cannot satisfy."""
         kind, per_node = resolve_devices(self.accelerator, self.devices)
         return kind, per_node, per_node * self.num_nodes
 
@@ -50,21 +52,41 @@ class LaunchOptions(Options):
 
 class Parallel(Plugin):
     """How a run is laid out over devices and nodes: the Lightning strategy and its launch
-    (:meth:`trainer_kwargs`), the precision it trains in (:meth:`trainer_precision`), how it shards or
-    splits the model (:meth:`configure_model`) and how ``lmlab plan`` lays out its memory
-    (:meth:`memory_layout`)."""
+    ([trainer_kwargs][lmlab.api.parallel.Parallel.trainer_kwargs]), the precision it trains in
+    ([trainer_precision][lmlab.api.parallel.Parallel.trainer_precision]), how it shards or splits the
+    model ([configure_model][lmlab.api.parallel.Parallel.configure_model]) and how ``lmlab plan`` lays
+    out its memory ([memory_layout][lmlab.api.parallel.Parallel.memory_layout]).
+
+    In a run, every process instantiates the plugin and calls
+    [trainer_kwargs][lmlab.api.parallel.Parallel.trainer_kwargs] and
+    [trainer_precision][lmlab.api.parallel.Parallel.trainer_precision] itself; the core hands the
+    resulting Lightning strategy the model, the optimizer and the data, giving each data-parallel
+    replica its own rows of every global batch.
+    """
 
     slot = "parallel"
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``lightning.Trainer``: ``strategy``, ``accelerator``, ``devices``,
-        ``num_nodes``. Called once, when the trainer is built; import Lightning here, not at the top."""
+        ``num_nodes``.
+
+        Called once per run in every process, when the trainer is built (after the model is built
+        and before training); import Lightning here, not at the top of the module, so that loading
+        the plugin stays cheap.
+
+        Returns:
+            A dict of keyword arguments; the core adds its own (steps, accumulation, clipping,
+            precision) and must not be given those.
+        """
         raise NotImplementedError
 
     def device_type(self) -> str:
-        """The device type the processes train on: ``"cuda"``, ``"mps"`` or ``"cpu"`` (API 1.6). The
-        default reads the options' ``accelerator`` (``"auto"`` without one) through
-        :func:`resolve_devices`: a UserError naming ``parallel.accelerator`` when the machine lacks it."""
+        """The device type the processes train on: ``"cuda"``, ``"mps"`` or ``"cpu"`` (API 1.6).
+
+        Read by the default [trainer_precision][lmlab.api.parallel.Parallel.trainer_precision] and
+        [check][lmlab.api.parallel.Parallel.check]. The default reads the options' ``accelerator``
+        (``"auto"`` without one) through [resolve_devices][lmlab.api.parallel.resolve_devices]: a
+        UserError naming ``parallel.accelerator`` when the machine lacks it."""
         return resolve_devices(getattr(self.options, "accelerator", "auto"), 1)[0]
 
     def trainer_precision(self, train) -> dict[str, Any]:
@@ -73,7 +95,14 @@ class Parallel(Plugin):
         ``{"plugins": [...]}``. Called once, when the trainer is built. The default: the precision as
         it is, and under ``16-mixed`` Lightning's mixed precision with a loss scaler that takes the
         loss-scale options (Lightning's own would ignore them); a strategy that scales otherwise
-        (FSDP's sharded scaler, DeepSpeed's config) overrides it."""
+        (FSDP's sharded scaler, DeepSpeed's config) overrides it.
+
+        Args:
+            train: The variant's ``[train]`` table (its ``precision`` and ``loss_scale_*`` options).
+
+        Returns:
+            Keyword arguments for ``lightning.Trainer``.
+        """
         if train.precision != "16-mixed":
             return {"precision": train.precision}
         import torch
@@ -83,8 +112,16 @@ class Parallel(Plugin):
         return {"plugins": [MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, **loss_scaling(train)))]}
 
     def check(self, context) -> None:
-        """The default refuses, on this machine (``context.machine``), an accelerator it lacks and
-        ``16-mixed`` on the CPU. A plugin that overrides it calls it too."""
+        """Refuse a layout this variant or machine cannot run, before anything is built (see
+        [Plugin.check][lmlab.api.plugin.Plugin.check]).
+
+        The default refuses, on this machine (``context.machine``), an accelerator it lacks (and
+        with [LaunchOptions][lmlab.api.parallel.LaunchOptions], more devices than it has) and
+        ``16-mixed`` on the CPU. A plugin that overrides it calls it too.
+
+        Args:
+            context: The variant: shape, plugins, resolved manifest, the model on the meta device.
+        """
         if not context.machine:
             return
         options = self.options
@@ -100,9 +137,11 @@ class Parallel(Plugin):
 
         Called once in every process when the strategy from ``trainer_kwargs`` provides a device
         mesh (Lightning's ``ModelParallelStrategy``; strategies without one never call it): after the
-        model is built and initialised on the CPU, the same in every process, and before the
-        optimizer is created, which then holds the parameters as this hook left them (DTensors for
-        ``fully_shard`` or tensor parallelism). The default does nothing.
+        model is built, initialised and given its starting weights on the CPU, the same in every
+        process, and before the optimizer is created, which then holds the parameters as this hook
+        left them (DTensors for ``fully_shard`` or tensor parallelism). Attributes plugins set on
+        parameters (``_no_weight_decay``) are copied by name onto the parameters that replace them.
+        The default does nothing.
 
         ``device_mesh`` is the strategy's mesh with named dimensions (``ModelParallelStrategy``:
         ``"data_parallel"``, ``"tensor_parallel"``); the core gives each index of the data-parallel
@@ -115,11 +154,12 @@ class Parallel(Plugin):
         ``lmlab generate`` loads into a single-device model.
         """
 
-    #: True for a layout that runs the model's forward and backward passes itself, as a pipeline
-    #: schedule does (it interleaves micro-batches' forward and backward passes across ranks, so no
-    #: single loss tensor exists to call ``backward()`` on). The core then calls
-    #: :meth:`forward_backward` and :meth:`forward_loss` instead of calling the model. (API 1.3)
     runs_forward_backward: ClassVar[bool] = False
+    """True for a layout that runs the model's forward and backward passes itself, as a pipeline
+    schedule does (it interleaves micro-batches' forward and backward passes across ranks, so no
+    single loss tensor exists to call ``backward()`` on). The core then calls
+    [forward_backward][lmlab.api.parallel.Parallel.forward_backward] and
+    [forward_loss][lmlab.api.parallel.Parallel.forward_loss] instead of calling the model. (API 1.3)"""
 
     def forward_backward(self, model: "nn.Module", batch: "Batch", loss_fn: "LossFn",
                          grad_scale: float) -> "torch.Tensor":
@@ -140,32 +180,51 @@ class Parallel(Plugin):
 
     def forward_loss(self, model: "nn.Module", batch: "Batch", loss_fn: "LossFn") -> "torch.Tensor":
         """The loss of one evaluation batch, without gradients, for a plugin that sets
-        ``runs_forward_backward``: ``loss_fn(logits, batch)`` detached, the same in every process."""
+        ``runs_forward_backward``: ``loss_fn(logits, batch)`` detached, the same in every process.
+
+        Called in every process for each validation batch, with the model in eval mode and under
+        ``torch.inference_mode`` or ``torch.no_grad``; the core weights it by the batch's counted
+        targets, as it does the model's own loss.
+
+        Returns:
+            A 0-dim float tensor.
+        """
         raise NotImplementedError
 
     def clip_grad_norm(self, parameters: list["torch.Tensor"], max_norm: float) -> "torch.Tensor | None":
         """Scale the gradients of ``parameters`` (this process's, as the optimizer holds them) so
         that the norm of the whole model's gradient is at most ``max_norm``; return that norm before
-        clipping. Called before each optimizer step when ``train.grad_clip`` is set. (API 1.3)
+        clipping. (API 1.3)
 
+        Called in every process before each optimizer step when ``train.grad_clip`` > 0: after the
+        gradients are accumulated and unscaled and the ``lmlab_before_optimizer_step`` hooks ran.
         None, the default, lets the core use ``torch.nn.utils.clip_grad_norm_``, which is right when
         every process holds whole gradients (DDP) or every parameter is a DTensor of one mesh
         (FSDP). A layout that mixes sharded and replicated parameters (tensor parallelism) or
         spreads the model over processes (a pipeline) computes the global norm itself.
+
+        Args:
+            parameters: Every parameter in the optimizer's param groups, in this process.
+            max_norm: ``train.grad_clip``.
+
+        Returns:
+            The global gradient norm before clipping (a 0-dim tensor), or None to leave the
+            clipping to the core.
         """
         return None
 
     def memory_layout(self, model: "nn.Module", world_size: int | None, precision: str) -> MemoryLayout:
         """How this strategy lays out the training state of ``model`` over ``world_size`` processes,
-        for ``lmlab plan``: a :class:`lmlab.api.layout.MemoryLayout` of sharding fractions, dtypes
+        for ``lmlab plan``: a [MemoryLayout][lmlab.api.layout.MemoryLayout] of sharding fractions, dtypes
         and the collectives of one step. The core multiplies them with what it measured.
 
         ``model`` is the assembled language model (as ``configure_model`` sees it) with parameters
-        that hold no memory (fake tensors): read its structure and ``numel()``s, nothing else. ``world_size`` is the number of processes to
-        plan for (``lmlab plan --devices``); None means what this plugin's options say. ``precision``
-        is ``[train] precision`` (``"32-true"``, ``"bf16-mixed"``, ...). Raise a ``UserError`` naming
-        the option for a world size the strategy cannot use. The default says the plugin cannot be
-        planned.
+        that hold no memory (fake tensors): read its structure and ``numel()``s, nothing else.
+        ``world_size`` is the number of processes to plan for (``lmlab plan --devices``); None
+        means what this plugin's options say. ``precision`` is ``[train] precision``
+        (``"32-true"``, ``"bf16-mixed"``, ...). Raise a ``UserError`` naming the option for a world
+        size the strategy cannot use. Called only by ``lmlab plan``, in one process. The default
+        says the plugin cannot be planned.
         """
         raise UserError(f"parallel plugin {self.name!r} does not describe its memory layout "
                         "(Parallel.memory_layout), so lmlab plan cannot plan it", key="parallel.use")

@@ -10,8 +10,11 @@ to ``checkpoints/adapter.safetensors``, and folds it into the base weights on ``
 Plugins name the layers they adapt by *role*, not by parameter name, so that one manifest works
 across attention and ffn plugins: an attention module says which of its submodules computes the
 queries (``q``), keys (``k``), values (``v``) and output (``o``); a feed-forward module its ``up``,
-``down`` and ``gate`` projections (:meth:`AttentionModule.peft_roles`, :meth:`FFNModule.peft_roles`).
-:func:`module_roles` and :func:`resolve_roles` turn roles into full module names of the model.
+``down`` and ``gate`` projections
+([AttentionModule.peft_roles][lmlab.api.attention.AttentionModule.peft_roles],
+[FFNModule.peft_roles][lmlab.api.ffn.FFNModule.peft_roles]).
+[module_roles][lmlab.api.peft.module_roles] and [resolve_roles][lmlab.api.peft.resolve_roles] turn
+roles into full module names of the model.
 """
 
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,9 +34,9 @@ class Peft(Plugin):
     slot = "peft"
     api = ">=1.4,<2"
 
-    #: The ``parallel.use`` plugins this method works under; a run that combines it with another is
-    #: refused before it starts, with a UserError naming ``peft.use``. None: any.
     parallel: ClassVar[tuple[str, ...] | None] = None
+    """The ``parallel.use`` plugins this method works under; a run that combines it with another is
+    refused before it starts (``lmlab check`` too), with a UserError naming ``peft.use``. None: any."""
 
     def apply(self, model: "nn.Module", manifest: dict[str, Any]) -> None:
         """Insert the adapter into ``model`` in place and freeze every parameter that is not part of
@@ -41,44 +44,72 @@ class Peft(Plugin):
 
         Called once per process when a run is built: after the model is assembled, initialised and
         given its starting weights, before ``lmlab_model_built`` hooks, the optimizer and any
-        checkpoint is restored; also by ``lmlab generate`` and ``lmlab merge`` on a trained run's
-        base weights before they load its adapter. ``model`` is the assembled language model
-        (``blocks``, each with ``attn`` and ``ffn``: see :func:`module_roles`); ``manifest`` is the
-        variant's resolved manifest (``manifest["train"]["max_steps"]``, ...). Must be deterministic
-        given the global random state (a resumed run calls it again and then loads the adapter
-        saved in its checkpoint). Raise a UserError naming the option for a target this model does
-        not have. The default does nothing.
+        checkpoint is restored; also by ``lmlab generate``, ``eval`` and ``merge`` on a trained
+        run's base weights before they load its adapter. The model is on the CPU, in training mode,
+        with gradients enabled. Must be deterministic given the global random state (a resumed run
+        calls it again and then loads the adapter saved in its checkpoint). The default does
+        nothing.
+
+        Args:
+            model: The assembled language model (``blocks``, each with ``attn`` and ``ffn``: see
+                [module_roles][lmlab.api.peft.module_roles]).
+            manifest: The variant's resolved manifest (``manifest["train"]["max_steps"]``, ...).
+
+        Raises:
+            UserError: A target this model does not have, naming the option.
         """
 
     def is_adapter_key(self, key: str) -> bool:
-        """Whether ``key``, an entry of ``model.state_dict()`` after :meth:`apply`, belongs to the
-        adapter: what checkpoints and ``adapter.safetensors`` hold. Every parameter that requires
-        gradients must be one (the core checks); entries that are not come from the base weights.
-        A method whose adapter has no entries (the default) runs as full training."""
+        """Whether ``key``, an entry of ``model.state_dict()`` after [apply][lmlab.api.peft.Peft.apply],
+        belongs to the adapter: what checkpoints and ``adapter.safetensors`` hold.
+
+        Called on every entry of the state dict after [apply][lmlab.api.peft.Peft.apply] and at
+        every checkpoint. Every parameter that requires gradients must be one (the core checks);
+        entries that are not come from the base weights. A method whose adapter has no entries
+        (the default) runs as full training.
+
+        Args:
+            key: A full name in ``model.state_dict()`` (no ``model.`` prefix).
+        """
         return False
 
     def merge(self, model: "nn.Module") -> None:
         """Fold the adapter into the base weights, in place, leaving a model whose state dict has
         exactly the keys of the plain model (no adapter entries, no wrapped names) and whose
-        outputs are those of the adapted model. Called by ``lmlab merge`` on a model that
-        :meth:`apply` adapted and that holds a trained adapter. The default refuses: a method whose
-        adapter is not a change of weights (a nonlinear bottleneck adapter) cannot be merged."""
+        outputs are those of the adapted model (``lmlab merge`` checks the logits on a probe batch to
+        1e-4). Called by ``lmlab merge``, under ``torch.no_grad()`` with the model in eval mode on the
+        CPU, on a model that [apply][lmlab.api.peft.Peft.apply] adapted and that holds a trained
+        adapter. The default refuses: a method whose adapter is not a change of weights (a nonlinear
+        bottleneck adapter) cannot be merged."""
         raise UserError(f"peft plugin {self.name!r} cannot fold its adapter into the base weights; "
                         "use the unmerged run (lmlab generate works on it)", key="peft.use")
 
     def regularization(self, model: "nn.Module") -> "torch.Tensor | None":
         """A term added to the training loss at every micro-batch (AdaLoRA's orthogonality penalty),
-        logged with the auxiliary losses; None for none. Called after the forward pass."""
+        logged with the auxiliary losses.
+
+        Called only when a plugin overrides it: in every process, in each training step right after
+        the model's forward pass (training mode, gradients on), not in evaluation, and not under a
+        parallel plugin that runs the passes itself
+        ([Parallel.runs_forward_backward][lmlab.api.parallel.Parallel.runs_forward_backward]).
+
+        Returns:
+            A 0-dim tensor on the model's device, with gradients flowing to the adapter, or None
+            (the default) for no term.
+        """
         return None
 
     def extra_state(self) -> dict[str, Any]:
         """Training state beyond the adapter weights that a resumed run needs (AdaLoRA's importance
         averages), saved in checkpoints: tensors, numbers, strings and lists or dicts of them (it is
-        loaded with ``weights_only=True``)."""
+        loaded with ``weights_only=True``). Called at every checkpoint, in every process. Default:
+        an empty dict."""
         return {}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`extra_state` returned, after :meth:`apply`, when a run resumes."""
+        """Restore what [extra_state][lmlab.api.peft.Peft.extra_state] returned, after
+        [apply][lmlab.api.peft.Peft.apply]: when a run resumes from a checkpoint, and when
+        ``lmlab generate``, ``eval`` or ``merge`` load a trained run's adapter. Default: nothing."""
 
 
 def module_roles(model: "nn.Module") -> dict[str, dict[str, list[str]]]:

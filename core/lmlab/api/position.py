@@ -1,10 +1,12 @@
 """The position slot: how token order reaches the model.
 
 A position scheme acts in one or more of three places, and an attention plugin never needs to know
-which scheme is in use: the model calls :meth:`PositionModule.embed` on the token embeddings, and
-every attention layer calls :meth:`PositionModule.rotate` on its queries and keys and adds
-:meth:`PositionModule.attention_bias` to its scores. Defaults do nothing, so a scheme overrides only
-the places it acts in and sets the matching flag so the others can be skipped at build time.
+which scheme is in use: the model calls [PositionModule.embed][lmlab.api.position.PositionModule.embed]
+on the token embeddings, and every attention layer calls
+[PositionModule.rotate][lmlab.api.position.PositionModule.rotate] on its queries and keys and adds
+[PositionModule.attention_bias][lmlab.api.position.PositionModule.attention_bias] to its scores.
+Defaults do nothing, so a scheme overrides only the places it acts in and sets the matching flag so
+the others can be skipped at build time.
 """
 
 from typing import ClassVar
@@ -17,33 +19,90 @@ from lmlab.api.shape import ModelShape
 
 
 class PositionModule(nn.Module):
+    """One module per model, shared by every layer (the model's ``position``; attention layers
+    reach it as [MixerContext.position][lmlab.api.attention.MixerContext.position]).
+
+    Its methods run inside every forward pass: in training (train mode, gradients on, under the
+    precision's autocast), in evaluation and in decoding (eval mode, no gradients). ``positions``
+    are absolute (a decoding step's positions continue the cached ones), int64, on the input's
+    device.
+    """
+
     adds_embedding: ClassVar[bool] = False
+    """True when [embed][lmlab.api.position.PositionModule.embed] changes its input (a learned or
+    sinusoidal table)."""
     rotates: ClassVar[bool] = False
+    """True when [rotate][lmlab.api.position.PositionModule.rotate] changes queries and keys (RoPE);
+    attention plugins skip the call otherwise."""
     biases: ClassVar[bool] = False
-    max_positions: int | None = None  # positions this scheme can represent; None means unbounded
+    """True when [attention_bias][lmlab.api.position.PositionModule.attention_bias] returns a bias
+    (ALiBi); attention plugins skip the call otherwise."""
+    max_positions: int | None = None
+    """Positions this scheme can represent (a learned table's rows); None means unbounded. The
+    model's ``max_context``: a forward pass past it raises ``ValueError``, and decoders slide their
+    window within it."""
 
     def reset_parameters(self, shape: ModelShape) -> None:
-        """Initialise learned weights, if any."""
+        """Initialise learned weights, if any. Called once when the model is built, before any
+        starting weights are loaded. Default: nothing."""
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, T, C), positions (T,) absolute indices → x with positions mixed in."""
+        """Mix positions into the token embeddings; called once per forward pass, by the model,
+        before the first block (and before the embedding dropout).
+
+        Args:
+            x: (B, T, C) token embeddings, in the parameters' dtype.
+            positions: (T,) absolute positions of the tokens.
+
+        Returns:
+            The embeddings (B, T, C) with positions mixed in. Default: ``x`` unchanged.
+        """
         return x
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q (B, H, T, hs), k (B, H_kv, T, hs), positions (T,) → (q, k) with positions applied."""
+        """Apply positions to queries and keys; called by attention layers when
+        [rotates][lmlab.api.position.PositionModule.rotates] is True.
+
+        Args:
+            q: (B, H, T, hs) queries.
+            k: (B, H_kv, T, hs) keys (H_kv divides H under grouped-query attention).
+            positions: (T,) absolute positions of these queries and keys.
+
+        Returns:
+            The pair (q, k) with positions applied, same shapes. Default: unchanged.
+        """
         return q, k
 
     def attention_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor | None:
-        """Additive score bias (H, Tq, Tk) for queries at q_positions over keys at k_positions."""
+        """The additive bias of attention scores; called by attention layers when
+        [biases][lmlab.api.position.PositionModule.biases] is True.
+
+        Args:
+            q_positions: (Tq,) absolute positions of the queries.
+            k_positions: (Tk,) absolute positions of the keys (all cached ones too, in decoding).
+
+        Returns:
+            A bias (H, Tq, Tk) added to the scores before the softmax, or
+            None (the default). A tensor-parallel attention layer takes its heads' slice of it.
+        """
         return None
 
 
 class Position(Plugin):
-    """How token order reaches the model: :meth:`build` makes one :class:`PositionModule` that every
-    layer shares, acting in the places its flags name (embedding, rotation, attention bias)."""
+    """How token order reaches the model: [build][lmlab.api.position.Position.build] makes one
+    [PositionModule][lmlab.api.position.PositionModule] that every layer shares, acting in the places
+    its flags name (embedding, rotation, attention bias)."""
 
     slot = "position"
 
     def build(self, shape: ModelShape) -> PositionModule:
-        """Called once per model; the module is shared by every layer."""
+        """Make the model's position module. Called once whenever a model is built (for a run, for
+        ``lmlab check`` on the meta device, for ``lmlab plan``, for a trained run loaded back).
+
+        Args:
+            shape: The model's shape; ``max_positions`` must cover ``shape.block_size``.
+
+        Returns:
+            The module every layer shares.
+        """
         raise NotImplementedError

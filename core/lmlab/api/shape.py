@@ -6,19 +6,36 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The ``[model]`` table as architecture plugins see it (``vocab_size`` comes from the tokenizer)."""
+    """The ``[model]`` table as architecture plugins see it (``vocab_size`` comes from the tokenizer).
+
+    Every ``build`` of the position, attention and ffn slots receives it, as do the modules'
+    ``reset_parameters``.
+    """
 
     n_layers: int
+    """Blocks in the model (``model.n_layers``)."""
     d_model: int
+    """Width of the residual stream, C (``model.d_model``)."""
     n_heads: int
+    """Attention heads (``model.n_heads``)."""
     block_size: int
+    """Tokens per training window, T, and the context a position scheme must cover
+    (``model.block_size``)."""
     vocab_size: int
+    """Rows of the embedding and head, V: the tokenizer's vocabulary plus the objective's reserved
+    special ids, or ``model.vocab_size`` when set (a stand-in under ``lmlab check`` when the
+    tokenizer learns its vocabulary from the data)."""
     dropout: float = 0.0
+    """Dropout probability (``model.dropout``): the model applies it to the embeddings and to each
+    residual branch, attention modules to their attention weights, in training mode only."""
     bias: bool = False
+    """Whether linear layers and LayerNorms have biases (``model.bias``)."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation (``model.init_std``)."""
 
     @property
     def head_dim(self) -> int:
+        """Size of one attention head: ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
     @property

@@ -9,43 +9,91 @@ from lmlab.api.plugin import Plugin
 
 @dataclass
 class RunInfo:
-    """One variant's identity, as a tracker needs it.
-
-    ``group`` is the manifest's name and ``name`` the variant's; ``variant`` the name without its seed
-    (what a variant's seeds share). ``config`` is the resolved manifest (nested) and ``flat_config``
-    the same with dotted keys, lists joined into strings, ``None`` for keys only other variants of the
-    sweep have, and ``variant``. ``plugins`` maps slot → {name, distribution, version};
-    ``environment`` holds lmlab's version and git revision, torch's and Lightning's versions and the
-    device (since API 1.2). ``resume`` is True when this continues an interrupted run, in which case
-    the tracker should continue the same remote run (keep its id under ``run_dir``).
-    """
+    """One variant's identity, as [Tracker.start][lmlab.api.tracker.Tracker.start] receives it."""
 
     run_dir: Path
+    """The variant's run folder (it exists; a tracker may keep files there, e.g. a remote run id)."""
     group: str
+    """The manifest's name (the experiment), shared by every variant of a sweep."""
     name: str
+    """The variant's name (its folder's name)."""
     config: dict[str, Any]
+    """The resolved manifest, nested, as written to the run folder's ``manifest.toml``."""
     flat_config: dict[str, Any]
+    """The same with dotted keys, lists joined into strings, ``None`` for keys only other variants
+    of the sweep have, and ``variant``: what a tracker groups and filters runs by."""
     plugins: dict[str, Any] = field(default_factory=dict)
+    """Slot → {name, distribution, version} of each plugin the variant uses."""
     resume: bool = False
+    """True when this continues an interrupted run: the tracker should continue the same remote run
+    (keep its id under ``run_dir``)."""
     variant: str = ""
+    """The name without its seed: what a variant's seeds share (since API 1.2)."""
     environment: dict[str, Any] = field(default_factory=dict)
+    """lmlab's version and git revision, torch's and Lightning's versions and the device (since
+    API 1.2)."""
 
 
 class Tracker(Plugin):
-    """Called on the main process only."""
+    """Where a run's metrics go besides the run folder's ``metrics.jsonl`` and ``summary.json``.
+
+    Every method is called on the main process only (global rank 0 of a distributed run), in this
+    order for each variant that starts training: [start][lmlab.api.tracker.Tracker.start] once,
+    [log][lmlab.api.tracker.Tracker.log] as metrics come, [finish][lmlab.api.tracker.Tracker.finish]
+    once, whatever the outcome. A variant that fails before its run folder is set up (bad data, a
+    refused check) gets none of them. Each variant of a sweep has its own instance.
+    """
 
     slot = "tracker"
 
     def start(self, info: RunInfo) -> None:
+        """Begin tracking one variant's run.
+
+        Called once per run attempt, after the run folder has its ``manifest.toml``,
+        ``provenance.json`` and ``tokenizer/`` and before the first training step.
+
+        Args:
+            info: The variant's names, configuration, plugins and environment.
+        """
         raise NotImplementedError
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record metrics of one optimizer step; the same records go to ``metrics.jsonl``.
+
+        Called on every logging step (each ``train.log_every`` steps and the last) with
+        ``train_loss`` (the step's loss, averaged over processes), ``lr``, ``tokens_per_s`` and,
+        when a module reports one, ``aux_loss``; after every evaluation during training with
+        ``val_loss``; and on any step where ``lmlab_train_batch_end`` hooks returned metrics, with
+        those (merged into the logging step's record on logging steps).
+
+        Args:
+            metrics: Metric name → number (floats, and whatever numbers hooks return).
+            step: The optimizer step (``trainer.global_step``: 1 after the first step).
+        """
         raise NotImplementedError
 
     def finish(self, summary: dict[str, Any], status: str) -> None:
-        """``status`` is ``completed``, ``failed`` or ``interrupted``."""
+        """End tracking the run: called once after ``summary.json`` is written, also when the run
+        failed or was interrupted (a tracker may record the final numbers from ``summary``).
+
+        Args:
+            summary: What ``summary.json`` holds (``status``, ``val_loss`` over the whole validation
+                split when completed, ``error`` when failed, ``steps``, ``wall_s``, ...).
+            status: ``"completed"``, ``"failed"`` or ``"interrupted"``.
+        """
 
     def closing_note(self, run_dirs: list[Path]) -> str | None:
-        """Called once after ``lmlab run`` has gone through all its variants (their folders given),
-        in the main process; what it returns is printed, e.g. how to upload offline runs (API 1.2)."""
+        """Something to print once ``lmlab run`` has gone through all its variants, e.g. how to
+        upload offline runs (API 1.2).
+
+        Called once per ``lmlab run`` in the main process, whether or not every variant completed,
+        on a fresh instance made from the first variant's manifest: read what the runs left in their
+        folders, not state kept from [start][lmlab.api.tracker.Tracker.start].
+
+        Args:
+            run_dirs: The folders of every selected variant, skipped ones included.
+
+        Returns:
+            The text to print, or None (the default) for nothing.
+        """
         return None

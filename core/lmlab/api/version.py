@@ -1,8 +1,16 @@
 """The version of the plugin API.
 
-Plugins declare the range they work with (``Plugin.api = ">=1.0,<2"``); discovery refuses a
-plugin whose range excludes this version. Bump the minor version when the API gains something
-(old plugins keep working), the major version when something a plugin relies on changes.
+Plugins declare the range they work with (``Plugin.api``); discovery refuses a plugin whose range
+excludes this version. Bump the minor version when the API gains something (old plugins keep
+working), the major version when something a plugin relies on changes.
+
+The policy for ``api``: declare ``">=1.N,<2"``, where 1.N is the minor (listed below) that introduced
+the newest API feature the plugin uses, whether it calls it, imports it, overrides it or sets it: a
+plugin that overrides ``check`` or sets ``yields_records`` needs ``>=1.6``, though an older core would
+load it and silently ignore the override. ``<2``: the next major version may change what it relies
+on. A plugin that uses none of the features below keeps ``Plugin.api``'s default, ``">=1.0,<2"``.
+Name the feature that sets the bound in a comment on the line (``api = ">=1.4,<2"  # peft_roles``),
+and raise the bound when the plugin starts to use a newer one.
 
 1.1: the ``lmlab_train_batch_end`` hook receives ``log`` (is this a logging step); ``FFNModule.skip``
      leaves a block without its ffn part; ``_no_weight_decay`` on a parameter exempts it from decay.

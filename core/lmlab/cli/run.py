@@ -99,7 +99,7 @@ def _select(variants: list, only: list[str]) -> list:
     by_name = {v.name: v for v in variants}
     for name in only:
         if name not in by_name:
-            from lmlab.discovery import did_you_mean
+            from lmlab.errors import did_you_mean
 
             raise UserError(f"the manifest has no variant {name!r}{did_you_mean(name, list(by_name))}; "
                             f"it has: {', '.join(by_name)}", key="--only")

@@ -88,7 +88,7 @@ def summarize(runset: RunSet, metric: str = "val_loss", baseline: str | None = N
     elif seedless(baseline) in groups:
         baseline = seedless(baseline)  # a run's name given for its variant's
     else:
-        from lmlab.discovery import did_you_mean
+        from lmlab.errors import did_you_mean
 
         raise UserError(f"no variant {baseline!r} among the completed runs{did_you_mean(baseline, list(groups))}; "
                         f"the variants are: {', '.join(order)}", key="--baseline")

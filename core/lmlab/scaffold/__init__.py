@@ -25,19 +25,13 @@ from pathlib import Path
 from string import Template
 
 from lmlab import __version__, discovery
-from lmlab.errors import UserError
+from lmlab.errors import UserError, did_you_mean
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 #: What a plugin class of each slot is called after its name: ``demo`` → ``DemoAttention``.
 CLASS_SUFFIX = {"data": "Data", "ffn": "FeedForward", "decoding": "Decoder", "peft": "Peft"}
-
-#: The lmlab.api version the templates are written against. A generated plugin declares the range from
-#: it up to the next major version (``api = ">=1.1,<2"``); raise it when a template starts to use
-#: something newer, and rewrite the templates when the major version changes (the tests that install
-#: and train generated plugins fail until then, because lmlab refuses plugins outside their range).
-TEMPLATES_API = (1, 4)  # the peft template: Peft, resolve_roles
 
 
 @dataclass(frozen=True)
@@ -58,7 +52,6 @@ class Plan:
             "name": self.name, "slot": self.slot, "dist": self.dist, "package": self.package,
             "module": self.module, "cls": self.cls, "base": self.base,
             "lmlab_requirement": f"lmlab>={__version__}",
-            "api_range": f">={TEMPLATES_API[0]}.{TEMPLATES_API[1]},<{TEMPLATES_API[0] + 1}",
             "use_value": f'["{self.name}"]' if many else f'"{self.name}"',
             # a many-valued slot's options go in a subtable per plugin: [monitor.<name>]
             "options_header": f"\n\n[{self.slot}.{self.name}]" if many else "",
@@ -77,7 +70,7 @@ def plan(name: str, slot: str) -> Plan:
         raise UserError(f"{name!r} is not a valid plugin name: use lowercase letters, digits and single "
                         "dashes, starting with a letter (e.g. 'sliding-window')")
     if slot not in discovery.SLOTS:
-        raise UserError(f"unknown slot {slot!r}{discovery.did_you_mean(slot, discovery.SLOTS)}; "
+        raise UserError(f"unknown slot {slot!r}{did_you_mean(slot, discovery.SLOTS)}; "
                         f"slots: {', '.join(discovery.SLOTS)}", key="--slot")
     snake = name.replace("-", "_")
     module = snake + "_" if keyword.iskeyword(snake) else snake  # `from lmlab_x.class_ import ...`

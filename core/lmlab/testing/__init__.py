@@ -1,6 +1,7 @@
 """lmlab.testing — the conformance kit: one call checks a plugin against its slot's contract.
 
-Like scikit-learn's ``check_estimator``, for attention, position and ffn plugins::
+Like scikit-learn's ``check_estimator``, for attention, position, ffn, optimizer, tokenizer, filter,
+data, tracker, decoding and objective plugins (parallel and peft below)::
 
     from lmlab.testing import check_attention
 
@@ -41,6 +42,80 @@ state_dict             yes        yes       yes  save / load(weights_only) / loa
 compile                yes        yes       yes  ``torch.compile`` output and grads = eager
 =====================  =========  ========  ===  ============================================
 
+Optimizer, tokenizer, filter, data and tracker plugins (each check's docstring says exactly how;
+one plugin takes about a second, a tracker that starts helper processes a few):
+
+====================  ==============================================================================
+slot, check           what it requires
+====================  ==============================================================================
+optimizer             built as the core builds it: ``build(model.param_infos())`` of the core's model
+  param_groups        every trainable parameter exactly once; a positive ``lr`` per group; decay-False
+                      parameters in groups with ``weight_decay`` 0
+  lr_zero             a step at the schedule's lr 0 (``LambdaLR`` writing ``group["lr"]``) moves nothing
+  lr_proportional     a step at a quarter of the lr moves a quarter as far
+  closure             ``step(closure=...)`` calls it once, with grad enabled, returns its loss, uses its
+                      gradients
+  no_decay            on zero gradients, groups with weight_decay 0 stay bit-identical, others shrink
+  state_dict          saved, ``torch.load(weights_only=True)``, loaded into a fresh build: identical steps
+tokenizer             fitted as ``lmlab prepare`` fits it, on :data:`tokenizer.CORPUS` or ``corpus``
+  round_trip          ``decode(encode(text)) == text`` on text of the corpus's characters
+  vocabulary          ids inside ``vocab_size`` (a plain int), never ``pad_id``; every id decodes
+  special_ids         eos/pad/unk/bos/mask: plain ints in range, ``special_id`` agrees, pad and mask apart
+  save_load           a fresh instance ``load``-ing what ``save`` wrote: same ids, specials, fingerprint
+  fit_determinism     two fits on one corpus agree; fingerprint a str, the same for fresh instances
+filter                on :data:`filter.DOCUMENTS` or ``documents``
+  outputs             ``apply`` gives None/str/Record; a corpus-level ``signature`` pickles
+  per_document        results independent of instance, order and earlier documents
+  worker_process      class and options pickled as prepare sends them; same results in a fresh
+                      interpreter with another PYTHONHASHSEED
+  state_dict          corpus-level: prepare's checkpoint of ``admit``'s state resumes identically
+data                  with ``options`` naming some data (a file the test writes)
+  documents           str or Record, as ``yields_records`` declares; at least one
+  determinism         two passes and a fresh instance yield the same documents
+  stats               str → int, JSON, the same after a second pass
+  fingerprint         a non-empty str, the same for fresh instances and after reading
+tracker               a new and a resumed run in a sandboxed fresh interpreter (:mod:`lmlab.testing.tracker`)
+  lifecycle           start / log / finish never raise
+  closing_note        a str or None
+  run_dir_only        nothing written outside ``RunInfo.run_dir`` (HOME, XDG, TMPDIR, cwd, any path)
+  no_secrets          markers put in ``WANDB_API_KEY``, ``HF_TOKEN``... appear in no file and no note
+  offline             no connection to or lookup of a host beyond the loopback
+decoding              on the kit's reference model, its logits sharpened (:mod:`lmlab.testing.decoding`)
+  max_new_tokens      exactly T + n tokens for n = 0, 1 and past the context; the prompt kept as prefix
+  greedy_equivalence  at greedy options (``top_k``/beams 1, or ``greedy=``): each token the argmax of an
+                      uncached forward over its prefix
+  batch_independence  a prompt decoded in a batch = decoded alone
+  eos                 a row stops at its first EOS (then only EOS); generation ends when all rows have
+  determinism         same generator seed → same tokens, whatever the global seed
+  global_rng          with a generator, torch's global random state is left unchanged
+objective             on the core's samplers over a corpus whose targets identify their positions
+  declarations        ``causal``, ``special_tokens``, ``sampling`` well-formed; documents → make_batch_from
+  batch               int64 (B, T) inputs and targets, ids in range, targets in range or -100
+  special_tokens      every id a tokenizer id or a special id from ``setup``, under two vocabularies
+  causal              a causal objective never targets a token its inputs show
+  padding             padded positions change neither targets nor unpadded inputs
+  prompt_mask         prompt-masked objectives score exactly the ``loss_mask`` tokens
+  token_labels        None, a (B, L) integer labelling that fits in uint8, or a UserError
+  loss                ``compute_loss`` = a float64 cross-entropy by hand (``cross_entropy=False`` skips)
+  ignore_index        zero gradient exactly where the target is -100
+  determinism         same windows → same batch under other global seeds; global RNG untouched
+  replica_slices      rows given as their own Windows (``first_row``) = those rows of the full batch
+====================  ==============================================================================
+
+Each of these slots also runs ``plugin_class`` first. Settings they accept besides ``seed`` and
+``skip``: ``corpus`` (tokenizer: documents to fit on), ``documents`` (filter: str or Record), ``env``
+(tracker: environment variables for the tracked run); a data source takes its options::
+
+    def test_my_source_conforms(tmp_path):
+        (tmp_path / "a.txt").write_text("one document")
+        check_data(MySource, {"path": str(tmp_path / "a.txt")})
+
+Pass the options that matter. Sequence checks run at ``block_size`` (16 by default), and again at a
+block_size past any int option of at least half that (2 × its value + 3, at most 256): a sliding
+window, a chunk or a block size of the plugin is exercised at the options given, not only the class
+defaults. A default too large for that (a window of 4096) is only exercised if a test also passes a
+small one: ``check_attention(MyAttention, {"window": 5})``.
+
 Everything is built against a tiny :data:`DEFAULT_SHAPE` (2 layers, d_model 32, 4 heads,
 block_size 16, vocab 37) under fixed seeds, on the CPU, without touching the caller's random state;
 one plugin takes a few seconds. Settings every entry point accepts as keywords: ``shape`` (a
@@ -74,10 +149,12 @@ adapter trains, that the adapter round-trips and, for a plugin that merges, that
 
 from collections.abc import Iterable
 
-from lmlab.testing import attention, ffn, position
+from lmlab.testing import attention, data, decoding, ffn, filter, objective, optimizer, position, tokenizer, tracker
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
+from lmlab.testing.decoding import check_decoding
 from lmlab.testing.generic import verify_class
 from lmlab.testing.memory import check_plan_matches_measured
+from lmlab.testing.objective import check_objective
 from lmlab.testing.parallel import check_parallel_matches_single
 from lmlab.testing.peft import check_peft, tiny_model
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition, reference_model
@@ -87,6 +164,13 @@ SLOTS = {
     "attention": (attention.AttentionSubject, attention.CHECKS),
     "position": (position.PositionSubject, position.CHECKS),
     "ffn": (ffn.FFNSubject, ffn.CHECKS),
+    "optimizer": (optimizer.OptimizerSubject, optimizer.CHECKS),
+    "tokenizer": (tokenizer.TokenizerSubject, tokenizer.CHECKS),
+    "filter": (filter.FilterSubject, filter.CHECKS),
+    "data": (data.DataSubject, data.CHECKS),
+    "tracker": (tracker.TrackerSubject, tracker.CHECKS),
+    "decoding": (decoding.DecodingSubject, decoding.CHECKS),
+    "objective": (objective.ObjectiveSubject, objective.CHECKS),
 }
 
 
@@ -129,8 +213,37 @@ def check_ffn(plugin, options=None, **settings) -> None:
     run_checks(iter_checks(plugin, options, slot="ffn", **settings))
 
 
+def check_optimizer(plugin, options=None, **settings) -> None:
+    """Run every optimizer check on ``plugin``; raise one ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="optimizer", **settings))
+
+
+def check_tokenizer(plugin, options=None, **settings) -> None:
+    """Run every tokenizer check on ``plugin`` (fitted on ``corpus``, a list of documents, when given);
+    raise one ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="tokenizer", **settings))
+
+
+def check_filter(plugin, options=None, **settings) -> None:
+    """Run every filter check on ``plugin`` (on ``documents``, str or Record, when given); raise one
+    ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="filter", **settings))
+
+
+def check_data(plugin, options=None, **settings) -> None:
+    """Run every data-source check on ``plugin`` with ``options`` (as a manifest's [data] table gives
+    them: a path to a small file); raise one ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="data", **settings))
+
+
+def check_tracker(plugin, options=None, **settings) -> None:
+    """Run every tracker check on ``plugin`` (with ``env``, extra environment variables, when given);
+    raise one ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="tracker", **settings))
+
+
 def check_plugin(plugin, options=None, **settings) -> None:
-    """Run every check of the plugin's own slot (attention, position or ffn)."""
+    """Run every check of the plugin's own slot (any slot in :data:`SLOTS`)."""
     run_checks(iter_checks(plugin, options, **settings))
 
 
@@ -153,8 +266,8 @@ def _slot(slot: str):
 
 __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
-    "check_attention", "check_ffn", "check_names", "check_parallel_matches_single", "check_plan_matches_measured",
-    "check_plugin",
-    "check_plugin_class", "check_position",
+    "check_attention", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
+    "check_parallel_matches_single", "check_plan_matches_measured", "check_plugin",
+    "check_objective", "check_plugin_class", "check_position", "check_tokenizer", "check_tracker",
     "check_peft", "iter_checks", "reference_model", "tiny_model",
 ]

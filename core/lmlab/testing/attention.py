@@ -9,6 +9,13 @@ biases scores, so positions mishandled while decoding show up. A mixer that cann
 
 A plugin that declares ``Attention.bidirectional`` is also checked with ``MixerContext.causal`` False:
 every output must then depend on every input (and, without positions, not on their order).
+
+Sequences are ``block_size`` long (16 in the default shape). A window, a chunk or any other int option
+the plugin's options hold that reaches half of that would never be filled at 16 positions, so the
+checks whose outcome depends on the sequence length (causality, incremental_decoding, cache_reorder)
+run once more at a block_size past it: 2 × the largest such value + 3, at most 256. They read the
+options under test, not the class defaults: pass the options that matter (a window of 5, say) to
+exercise one that is larger than 256 by default, or each of several settings in turn.
 """
 
 import torch
@@ -16,7 +23,7 @@ import torch
 from lmlab.api import AttentionModule, MixerContext, PositionModule, UserError
 from lmlab.testing import generic
 from lmlab.testing.common import (BF16, DEPENDENT, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close,
-                                  expect_mostly_close, expect_tensor, fail, scale)
+                                  expect_mostly_close, expect_tensor, fail, past_length_options, scale)
 from lmlab.testing.reference import ReferencePositionModule
 
 BATCH = 2
@@ -99,6 +106,7 @@ def output_bf16(subject: AttentionSubject) -> None:
     _outputs(subject, torch.bfloat16)
 
 
+@past_length_options
 def causality(subject: AttentionSubject) -> None:
     """Changing the inputs after position t leaves the outputs at positions up to t unchanged, for
     several t, under each position scheme (eval mode)."""
@@ -152,6 +160,7 @@ def bidirectional(subject: AttentionSubject) -> None:
                      "the outputs alike (a mask or an order-dependent weighting is left)")
 
 
+@past_length_options
 def incremental_decoding(subject: AttentionSubject) -> None:
     """Feeding the sequence piece by piece with the state from ``new_state`` (a prefill, single steps,
     multi-token chunks after the state holds tokens) gives the outputs of the full forward, under each
@@ -170,6 +179,7 @@ def incremental_decoding(subject: AttentionSubject) -> None:
                              f"({label})", offset=start)
 
 
+@past_length_options
 def cache_reorder(subject: AttentionSubject) -> None:
     """``state.reorder(index)`` (beam search re-ranking rows, repeating some) after a prefill, then
     decoding on, gives the full forward of the reordered batch."""

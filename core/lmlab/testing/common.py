@@ -7,6 +7,10 @@ subclass and the checks that are particular to the slot.
 """
 
 import contextlib
+import copy
+import dataclasses
+import functools
+import io
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
@@ -26,6 +30,10 @@ SAME = 1e-4  # two computations of one function in float32 (cache vs full forwar
 BF16 = 0.1  # bfloat16 against float32: 8 mantissa bits, accumulated through a few matmuls
 DEPENDENT = 1e-4  # an output that must depend on a change moves by more than this (bidirectional mixers)
 
+#: The longest block_size a sequence check is lengthened to for an option (see :func:`past_length_options`):
+#: long enough for windows of a hundred tokens, short enough that attention over it takes milliseconds.
+LONGEST_BLOCK = 256
+
 
 class ConformanceError(AssertionError):
     """A plugin broke the contract of its slot; the message names the plugin, the check and what was seen."""
@@ -38,6 +46,19 @@ class CheckFailed(Exception):
 def fail(message: str) -> NoReturn:
     """Stop the running check, reporting ``message`` (what was observed)."""
     raise CheckFailed(message)
+
+
+def reloaded(state: dict) -> dict:
+    """``state`` written by ``torch.save`` and read back with ``torch.load(weights_only=True)``, as a
+    checkpoint holds it; the check fails when the safe loader refuses it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        return torch.load(buffer, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 — whatever the loader refuses, the check reports it
+        fail(f"torch.load(weights_only=True) refuses its saved state dict: {type(exc).__name__}: "
+             f"{' '.join(str(exc).split())[:300]}")
 
 
 class Check:
@@ -84,6 +105,17 @@ def run_checks(checks: Iterable[Check]) -> None:
         raise ConformanceError(failures[0])
     if failures:
         raise ConformanceError(f"{len(failures)} conformance checks failed:\n" + "\n".join(failures))
+
+
+def select_checks(checks: dict[str, Callable[["Subject"], None]], subject: "Subject",
+                  skip: Iterable[str] = ()) -> list[Check]:
+    """The checks of a slot (name → function) bound to ``subject``, less those named in ``skip``;
+    ``ValueError`` for a name in ``skip`` that is no check of the slot (a typo would skip nothing)."""
+    unknown = set(skip) - set(checks)
+    if unknown:
+        raise ValueError(f"no check named {', '.join(sorted(unknown))} for slot {subject.slot!r}; "
+                         f"checks: {', '.join(checks)}")
+    return [Check(name, function, subject) for name, function in checks.items() if name not in set(skip)]
 
 
 class Subject:
@@ -169,6 +201,62 @@ class Subject:
     def seeded(self, seed: int):
         """Run a block under ``seed`` without disturbing the caller's random state."""
         return _seeded(seed, self.device)
+
+    # -- sequence lengths the options call for -----------------------------------------------------
+    def length_options(self) -> dict[str, int]:
+        """name → value of each int option that the shape's block_size does not exceed twice over.
+
+        Any int counts, whatever its name: a window, a chunk or a block size called ``w`` or ``radius``
+        is as likely as one called ``window``, and lengthening a check for an int that is no length
+        (a state size) costs milliseconds, while missing a window hides a wrong cache.
+        """
+        options = self.options
+        found = {}
+        for name in type(options).model_fields:
+            value = getattr(options, name)
+            if isinstance(value, int) and not isinstance(value, bool) and 2 * value + 3 > self.shape.block_size:
+                found[name] = value
+        return found
+
+    def longest_block(self, block_size: int) -> int:
+        """The longest block_size up to ``block_size`` the plugin can be checked at (a slot whose modules
+        declare a position limit lowers it)."""
+        return block_size
+
+    def at_block_size(self, block_size: int) -> "Subject":
+        """This subject with the shape's block_size replaced (the plugin, options and seed kept)."""
+        other = copy.copy(self)
+        other.shape = dataclasses.replace(self.shape, block_size=block_size)
+        return other
+
+
+def past_length_options(check: Callable[["Subject"], None]) -> Callable[["Subject"], None]:
+    """``check`` run at the subject's shape, then again at a block_size past every int option as large
+    as half of it: 2 × the largest such value + 3 (at most :data:`LONGEST_BLOCK`), so a sliding window or
+    chunk that the default 16 positions never fill, fills and is crossed in prefill, steps and chunks."""
+
+    @functools.wraps(check)
+    def run(subject: "Subject") -> None:
+        check(subject)
+        lengths = subject.length_options()
+        if not lengths:
+            return
+        name, value = max(lengths.items(), key=lambda item: item[1])
+        longer = subject.longest_block(min(2 * value + 3, LONGEST_BLOCK))
+        if longer <= subject.shape.block_size:
+            return
+        where = f"at block_size {longer}, past option {name} = {value}"
+        try:
+            check(subject.at_block_size(longer))
+        except CheckFailed as exc:
+            fail(f"{where}: {exc}")
+        except Exception as exc:  # the plugin raised: name the length it raised at
+            raise CheckFailed(f"{where}: raised {type(exc).__name__}: {exc}") from exc
+
+    run.__doc__ = (check.__doc__ or "").rstrip() + (
+        " Then again at a block_size past the plugin's int options that reach half the shape's block_size "
+        f"(2 × the largest + 3, at most {LONGEST_BLOCK}), so a window or chunk of that size is exercised.")
+    return run
 
 
 @contextlib.contextmanager

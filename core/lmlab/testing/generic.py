@@ -2,8 +2,11 @@
 ``torch.compile``. Each takes a :class:`~lmlab.testing.common.Subject` and fails with what it saw.
 """
 
+import contextlib
 import copy
-import io
+import logging
+import os
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pydantic
@@ -12,7 +15,7 @@ import torch
 from lmlab.api import SLOT_BASES
 from lmlab.errors import UserError
 from lmlab.plugin_check import check_plugin_class
-from lmlab.testing.common import INDEPENDENT, SAME, Subject, difference, expect_close, fail, scale
+from lmlab.testing.common import INDEPENDENT, SAME, Subject, difference, expect_close, fail, reloaded, scale
 
 
 def verify_class(cls, slot: str, options=None) -> None:
@@ -125,13 +128,7 @@ def state_dict(subject: Subject) -> None:
     """The state dict survives ``torch.save`` and ``torch.load(weights_only=True)``, a build under
     another seed accepts it (strictly), and then gives the same outputs as the module it came from."""
     source, target = subject.build(subject.seed), subject.build(subject.seed + 1)
-    buffer = io.BytesIO()
-    torch.save(source.state_dict(), buffer)
-    buffer.seek(0)
-    try:
-        loaded = torch.load(buffer, weights_only=True)
-    except Exception as exc:
-        fail(f"torch.load(weights_only=True) refuses its saved state dict: {type(exc).__name__}: {exc}")
+    loaded = reloaded(source.state_dict())
     try:
         target.load_state_dict(loaded)
     except RuntimeError as exc:
@@ -147,6 +144,11 @@ def compiled(subject: Subject) -> None:
     """``torch.compile(module, backend=compile_backend)`` ("aot_eager" by default: it traces forward
     and backward like the default inductor backend, without generating code) gives the eager output
     and the eager gradients of every parameter, in training mode. Resets torch.compile's caches first."""
+    with _quiet_torch_trace():
+        _compiled(subject)
+
+
+def _compiled(subject: Subject) -> None:
     torch.compiler.reset()  # a plugin class compiled for many option sets would hit the recompile limit
     eager = subject.build(subject.seed).train()
     if getattr(eager, "skip", False):  # never run by the model (FFNModule.skip)
@@ -170,3 +172,25 @@ def compiled(subject: Subject) -> None:
         if q is None or difference(q, p.grad) > SAME * scale(p.grad):
             fail(f"the gradient of {name} compiled with backend {subject.compile_backend!r} differs from the "
                  f"eager one" + ("" if q is None else f" by {difference(q, p.grad):.3g} (scale {scale(p.grad):.3g})"))
+
+
+@contextlib.contextmanager
+def _quiet_torch_trace() -> Iterator[None]:
+    """Silence torch's structured-trace logger ("torch.__trace") while the kit compiles.
+
+    torch keeps that logger at DEBUG for TORCH_TRACE (tlparse) and stops it propagating; pytest (9 here)
+    attaches its capture handler to non-propagating loggers too, so each failing test that compiled
+    would print some 80 empty DEBUG records. Left alone when the user asked for a trace (TORCH_TRACE).
+    """
+    trace = logging.getLogger("torch.__trace")
+    if os.environ.get("TORCH_TRACE"):
+        yield
+        return
+    level = trace.level
+    # torch replaces the logger's isEnabledFor with ``level >= trace.level``, so its level is the switch
+    # (logging.disable would not reach it).
+    trace.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        trace.setLevel(level)

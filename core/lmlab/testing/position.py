@@ -5,6 +5,12 @@ checks run it where it runs for real: inside the core's ``LanguageModel``, assem
 reference attention and feed-forward (:mod:`lmlab.testing.reference`), which honour every hook.
 Gradients, determinism, the state dict and compile are checked on that model too, reporting only
 the position module's own parameters. The module alone is probed for dtypes, shapes and flags.
+
+Sequences are ``block_size`` long (16 in the default shape). A scheme with an int option that reaches
+half of that (a window of relative positions, a chunk, a period) has causality and incremental_decoding
+checked once more at a block_size past it: 2 × the largest such value + 3, at most 256 and at most the
+scheme's ``max_positions``. They read the options under test, not the class defaults: pass the options
+that matter to exercise a value larger than 256 by default.
 """
 
 import dataclasses
@@ -14,7 +20,7 @@ import torch
 from lmlab.api import PositionModule
 from lmlab.testing import generic
 from lmlab.testing.common import (BF16, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close, expect_finite,
-                                  expect_mostly_close, expect_tensor, fail)
+                                  expect_mostly_close, expect_tensor, fail, past_length_options)
 from lmlab.testing.reference import reference_model
 
 BATCH = 2
@@ -41,6 +47,11 @@ class PositionSubject(Subject):
 
     def owns(self, parameter_name: str) -> bool:
         return parameter_name.startswith("position.")
+
+    def longest_block(self, block_size: int) -> int:
+        # A scheme with a position limit cannot be run past it (``flags`` checks that it covers the shape's).
+        limit = self.at_block_size(block_size).module(self.seed).max_positions
+        return block_size if limit is None else min(block_size, limit)
 
     def heads(self) -> tuple[int, int]:
         """(query heads, key/value heads): fewer key heads, as grouped-query attention has."""
@@ -119,6 +130,7 @@ def output_bf16(subject: PositionSubject) -> None:
     _outputs(subject, torch.bfloat16)
 
 
+@past_length_options
 def causality(subject: PositionSubject) -> None:
     """Changing what comes after position t leaves everything up to t unchanged: the output of
     ``embed`` alone, and the logits of the reference model built with the scheme (eval mode)."""
@@ -142,6 +154,7 @@ def causality(subject: PositionSubject) -> None:
                          f"{t} did")
 
 
+@past_length_options
 def incremental_decoding(subject: PositionSubject) -> None:
     """The reference model built with the scheme gives, fed piece by piece through its inference
     cache (prefill, single steps, chunks), the logits of its full forward. A scheme without a position

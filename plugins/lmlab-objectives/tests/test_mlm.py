@@ -264,3 +264,8 @@ def test_fractions_that_add_up_to_more_than_one_are_refused():
 
 def test_mlm_declares_a_bidirectional_model_with_a_mask_token():
     assert MLM.causal is False and MLM.special_tokens == ("mask",) and MLM.wants_windows()
+
+
+def test_a_corpus_without_the_fence_has_no_fences():
+    starts, ends = find_fences(np.array([1, 2, 3, 4, 5]), np.array([9, 9, 9]), np.array([0]))
+    assert starts.tolist() == ends.tolist() == []

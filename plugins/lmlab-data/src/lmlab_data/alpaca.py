@@ -72,7 +72,7 @@ class AlpacaOptions(FilesOptions):
 class Alpaca(FileSource):
     Options = AlpacaOptions
     yields_records = True  # API 1.6: what an objective can check before reading
-    api = ">=1.3,<2"  # lmlab.api.Record
+    api = ">=1.6,<2"  # yields_records; Record (1.3)
 
     def __init__(self, options: AlpacaOptions | None = None):
         super().__init__(options)

@@ -26,6 +26,7 @@ class JsonlOptions(FilesOptions):
 class Jsonl(FileSource):
     Options = JsonlOptions
     yields_records = False  # API 1.6: what an objective can check before reading
+    api = ">=1.6,<2"  # yields_records; stats (1.3)
 
     def __init__(self, options: JsonlOptions | None = None):
         super().__init__(options)

@@ -22,6 +22,7 @@ class TextFileOptions(FilesOptions):
 class TextFile(FileSource):
     Options = TextFileOptions
     yields_records = False  # API 1.6: what an objective can check before reading
+    api = ">=1.6,<2"  # yields_records; stats (1.3)
 
     def __init__(self, options: TextFileOptions | None = None):
         super().__init__(options)

@@ -65,6 +65,7 @@ class MLPFeedForward(FFN):
     """``mlp``: Linear → activation → Linear, as in GPT-2 / nanoGPT."""
 
     Options = MLPOptions
+    api = ">=1.4,<2"  # peft_roles; tensor_parallel_plan (1.3)
 
     def build(self, shape: ModelShape, layer: int) -> MLP:
         return MLP(shape, self.options.hidden or 4 * shape.d_model, self.options.activation)

@@ -65,6 +65,7 @@ class SwiGLUFeedForward(FFN):
     """``swiglu``: SiLU-gated linear unit feed-forward (Shazeer 2020), as in Llama."""
 
     Options = SwiGLUOptions
+    api = ">=1.4,<2"  # peft_roles; tensor_parallel_plan (1.3)
 
     def build(self, shape: ModelShape, layer: int) -> SwiGLU:
         return SwiGLU(shape, self.options.hidden or llama_hidden(shape.d_model, self.options.multiple_of))

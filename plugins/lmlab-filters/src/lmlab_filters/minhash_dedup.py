@@ -48,7 +48,7 @@ class MinHashDedup(Filter):
     Options = MinHashDedupOptions
     # lmlab.api.Filter. The state methods of 1.6 are only called by a core that has them; an older one
     # checkpoints the instance as it always did (__getstate__).
-    api = ">=1.3,<2"
+    api = ">=1.6,<2"  # Filter.state_dict; Filter (1.3)
     corpus_level = True
 
     def __init__(self, options: MinHashDedupOptions | None = None):

@@ -149,6 +149,10 @@ class HFTokenizer(Tokenizer):
     def bos_id(self) -> int | None:
         return self.special.get("bos")
 
+    @property
+    def pad_id(self) -> int | None:
+        return self.special.get("pad")  # the same id special_id("pad") names (API 1.4)
+
     def special_id(self, name: str) -> int | None:
         return self.special.get(name)
 

@@ -215,6 +215,7 @@ class Mamba(Attention):
     """``mamba``: the selective state-space mixer of Gu & Dao 2023."""
 
     Options = MambaOptions
+    api = ">=1.6,<2"  # check; bidirectional, peft_roles (1.4); _no_weight_decay (1.1)
     # A left-to-right recurrence: a bidirectional objective (mlm) is refused when the model is built.
     # (Running two scans, one per direction, would be a different mixer: BiMamba, Vim.)
     bidirectional = False

@@ -105,6 +105,8 @@ def find_fences(tokens, pattern: np.ndarray, document_starts: np.ndarray) -> tup
     document = np.searchsorted(documents, hits, side="right")  # (n_hits,) which document (+1) holds each
     within = document == np.searchsorted(documents, hits + k - 1, side="right")
     hits, document = hits[within], document[within]
+    if not len(hits):  # the ends below would still hold one (spurious) entry
+        return hits, hits
     # a hit that does not continue a run of hits in its document starts a fence; one not continued ends it
     continues = (np.diff(hits) == 1) & (np.diff(document) == 0)
     first, last = np.append(True, ~continues), np.append(~continues, True)

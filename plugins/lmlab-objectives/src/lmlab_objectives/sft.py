@@ -43,7 +43,7 @@ class SFT(CausalLM):
     """``sft``: next-token loss on the response tokens of prompt/response records only."""
 
     Options = SFTOptions
-    api = ">=1.4,<2"  # token_labels, make_batch_from, sampling
+    api = ">=1.6,<2"  # check, yields_records; token_labels, make_batch_from, sampling (1.4)
 
     def __init__(self, options: SFTOptions | None = None):
         super().__init__(options)

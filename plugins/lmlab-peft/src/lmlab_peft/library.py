@@ -48,7 +48,7 @@ def pattern(names: list[str]) -> str:
 class LibraryMethod(Peft):
     """A peft tuner applied to the model, targeting layers by role."""
 
-    api = ">=1.4,<2"
+    api = ">=1.6,<2"  # check; Peft, resolve_roles (1.4)
     #: Data parallelism only: under fsdp, deepspeed, tensor or pipeline parallelism the wrapped layers
     #: would be sharded or split under names the layouts do not know.
     parallel = ("single", "ddp")

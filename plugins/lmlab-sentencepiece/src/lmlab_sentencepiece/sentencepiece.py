@@ -91,7 +91,7 @@ class SentencePieceOptions(Options):
 
 class SentencePieceTokenizer(Tokenizer):
     Options = SentencePieceOptions
-    api = ">=1.3,<2"  # fit_documents; pad_id and special_id are read through API 1.4
+    api = ">=1.4,<2"  # pad_id, special_id; fit_documents (1.3)
 
     def __init__(self, options: SentencePieceOptions | None = None):
         super().__init__(options)

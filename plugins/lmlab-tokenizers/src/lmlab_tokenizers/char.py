@@ -37,6 +37,7 @@ def as_ids(ids: Sequence[int]) -> np.ndarray:
 
 class CharTokenizer(Tokenizer):
     Options = CharOptions
+    api = ">=1.3,<2"  # fit_documents
 
     def __init__(self, options: CharOptions | None = None):
         super().__init__(options)

@@ -1,0 +1,294 @@
+"""The conformance kit's decoding and objective checks: a small correct plugin of each slot passes, and
+plugins broken in one specific way each fail, with a message naming the check that saw it. (The
+first-party decoders and objectives are checked in their own distributions' tests.)"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmlab.api import IGNORE_INDEX, Batch, Decoder, Field, Objective, Options, Stepper, UserError
+from lmlab.testing import ConformanceError
+from lmlab.testing.common import select_checks
+from lmlab.testing.decoding import CHECKS as DECODING_CHECKS
+from lmlab.testing.decoding import DecodingSubject, check_decoding
+from lmlab.testing.objective import CHECKS as OBJECTIVE_CHECKS
+from lmlab.testing.objective import ObjectiveSubject, check_objective
+
+
+def failures(checks, subject) -> dict[str, str]:
+    """check name → message, for every check the subject's plugin fails."""
+    found = {}
+    for check in select_checks(checks, subject):
+        try:
+            check()
+        except ConformanceError as exc:
+            found[check.name] = str(exc)
+    return found
+
+
+# -- decoders ---------------------------------------------------------------------------------------
+
+class TinyOptions(Options):
+    top_k: int | None = Field(None, ge=1, help="sample among the k most likely tokens (unset: all)")
+
+
+class Tiny(Decoder):
+    """Top-k sampling through lmlab.api.Stepper, padding finished rows with eos_id: correct."""
+
+    name = "tiny"
+    Options = TinyOptions
+
+    def choose(self, logits, generator, prompt):
+        k = self.options.top_k or logits.shape[-1]
+        kth = logits.topk(k, dim=-1).values[:, -1:]
+        return torch.multinomial(logits.masked_fill(logits < kth, float("-inf")).softmax(-1), 1,
+                                 generator=generator)[:, 0]
+
+    def steps(self, max_new_tokens):
+        return max_new_tokens
+
+    def generate(self, model, prompt, max_new_tokens, eos_id=None, generator=None):
+        if max_new_tokens <= 0:
+            return prompt
+        stepper = Stepper(model, prompt.shape[0], prompt.shape[1] + max_new_tokens)
+        logits, new = stepper.start(prompt), []
+        finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
+        for i in range(self.steps(max_new_tokens)):
+            token = self.choose(logits.float(), generator, prompt)
+            if eos_id is not None:
+                token = self.after_eos(token, finished, eos_id)
+                finished |= token == eos_id
+            new.append(token)
+            if i == max_new_tokens - 1 or self.stops(finished, eos_id):
+                break
+            logits = stepper.step(token)
+        return torch.cat([prompt, torch.stack(new, dim=1)], dim=1)
+
+    def after_eos(self, token, finished, eos_id):
+        return token.masked_fill(finished, eos_id)
+
+    def stops(self, finished, eos_id):
+        return eos_id is not None and bool(finished.all())
+
+
+def broken_decoder(name: str, **overrides):
+    return type(name.title().replace("-", ""), (Tiny,), {"name": name, **overrides})
+
+
+def unwindowed_generate(self, model, prompt, max_new_tokens, eos_id=None, generator=None):
+    out = prompt
+    for _ in range(max_new_tokens):  # the whole text every step: past block_size the model refuses it
+        out = torch.cat([out, model(out)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+def in_place_generate(self, model, prompt, max_new_tokens, eos_id=None, generator=None):
+    out = Tiny.generate(self, model, prompt, max_new_tokens, eos_id, generator)
+    prompt[:, 0] = 0
+    return out
+
+
+BROKEN_DECODERS = [
+    (broken_decoder("runner-up", choose=lambda self, logits, g, p: logits.topk(2, dim=-1).indices[:, 1]),
+     "greedy_equivalence", "but token"),
+    (broken_decoder("global-draws", choose=lambda self, logits, g, p: torch.multinomial(logits.softmax(-1), 1)[:, 0]),
+     "determinism", "draws from torch's global random state"),
+    (broken_decoder("global-draws", choose=lambda self, logits, g, p: torch.multinomial(logits.softmax(-1), 1)[:, 0]),
+     "global_rng", "changed torch's global random state"),
+    (broken_decoder("one-short", steps=lambda self, n: n - 1 if n > 1 else n), "max_new_tokens",
+     "max_new_tokens=19, eos_id=None) returned shape (2, 22), expected (2, 23)"),
+    (broken_decoder("unwindowed", generate=unwindowed_generate), "max_new_tokens",
+     "raised ValueError: positions up to 16 requested"),
+    (broken_decoder("in-place", generate=in_place_generate), "max_new_tokens", "changed the prompt tensor in place"),
+    (broken_decoder("deaf", stops=lambda self, finished, eos_id: False), "eos",
+     "the output has 10 new tokens, expected 6"),
+    (broken_decoder("unpadded", after_eos=lambda self, token, finished, eos_id: token), "eos",
+     "row 0 continues"),
+    (broken_decoder("crowd", choose=lambda self, logits, g, p: (logits + logits.mean(0)).argmax(-1)),
+     "batch_independence", "of a batch of 4 prompts continues"),
+]
+
+
+@pytest.mark.parametrize("options", [None, {"top_k": 1}, {"top_k": 3}])
+def test_a_correct_small_decoder_passes_and_leaves_the_callers_random_state_alone(options):
+    rng = torch.get_rng_state()
+    check_decoding(Tiny, options)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("plugin, check, observed", BROKEN_DECODERS,
+                         ids=[f"{p.name}-{c}" for p, c, _ in BROKEN_DECODERS])
+def test_a_broken_decoder_fails_the_check_that_observes_its_bug(plugin, check, observed):
+    found = failures(DECODING_CHECKS, DecodingSubject(plugin))
+    assert check in found, found
+    assert found[check].startswith(f"{plugin.name}: {check}: ") and observed in found[check], found[check]
+    with pytest.raises(ConformanceError, match=f"(?m)^{plugin.name}: {check}: "):
+        check_decoding(plugin)
+
+
+class Width(Options):
+    width: int = Field(3, ge=1, help="beam width")
+
+
+class WideTiny(Tiny):
+    """Greedy when width is 1, random otherwise: an option the kit cannot know makes it greedy."""
+
+    name = "wide"
+    Options = Width
+
+    def choose(self, logits, generator, prompt):
+        if self.options.width == 1:
+            return logits.argmax(-1)
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def test_a_decoder_greedy_under_an_option_of_its_own_names_it():
+    found = failures(DECODING_CHECKS, DecodingSubject(WideTiny))
+    assert set(found) == {"greedy_equivalence"}, found
+    assert "pass greedy={...}" in found["greedy_equivalence"]
+    check_decoding(WideTiny, greedy={"width": 1})
+    check_decoding(WideTiny, skip=["greedy_equivalence"])
+    with pytest.raises(ValueError, match="no check named greedy"):
+        check_decoding(WideTiny, skip=["greedy"])
+
+
+# -- objectives -------------------------------------------------------------------------------------
+
+class NextToken(Objective):
+    """Causal LM: the base make_batch and the mean cross-entropy: correct."""
+
+    name = "next"
+
+    def loss(self, logits, batch):
+        return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class Masked(Objective):
+    """A small masked LM: 30 % of positions chosen, half of them [MASK], half random tokens: correct."""
+
+    name = "masked"
+    causal = False
+    special_tokens = ("mask",)
+
+    def setup(self, vocab):
+        self.mask_id, self.high = vocab.special["mask"], vocab.tokenizer_size
+
+    def draws(self, windows, T):
+        return windows.rand(T), windows.rand(T), windows.randint(self.high, T)
+
+    def make_batch_from(self, windows):
+        tokens = windows.tokens[:, :-1]
+        chosen, action, random = self.draws(windows, tokens.shape[1])
+        chosen = chosen < 0.3
+        inputs = torch.where(chosen & (action < 0.5), self.mask_id, torch.where(chosen, random, tokens))
+        return Batch(inputs, tokens.masked_fill(~chosen, IGNORE_INDEX))
+
+    loss = NextToken.loss
+
+
+class Responses(Objective):
+    """SFT: one record per row, scoring the response tokens (loss_mask) only: correct."""
+
+    name = "responses"
+    sampling = "documents"
+
+    def token_labels(self, split):
+        if split.loss_mask is None:
+            raise UserError("no loss mask", key="objective.use")
+        return lambda positions: split.loss_mask[positions]
+
+    def scored(self, windows):
+        return windows.labels[:, 1:].bool() & ~windows.padding[:, 1:]
+
+    def make_batch_from(self, windows):
+        return Batch(windows.tokens[:, :-1], windows.tokens[:, 1:].masked_fill(~self.scored(windows), IGNORE_INDEX))
+
+    loss = NextToken.loss
+
+
+def broken_objective(base, name: str, **overrides):
+    return type(name.title().replace("-", ""), (base,), {"name": name, **overrides})
+
+
+def whole_vocabulary(self, vocab):
+    self.mask_id, self.high = vocab.special["mask"], vocab.size
+
+
+def global_draws(self, windows, T):
+    B = windows.tokens.shape[0]
+    return torch.rand(B, T), torch.rand(B, T), torch.randint(0, self.high, (B, T))
+
+
+def own_stream(self, windows, T):
+    B, g = windows.tokens.shape[0], windows.generator  # the whole stream for this replica's rows alone
+    return (torch.rand(B, T, generator=g), torch.rand(B, T, generator=g),
+            torch.randint(0, self.high, (B, T), generator=g))
+
+
+def labels_of_the_input(self, windows):
+    return windows.labels[:, :-1].bool() & ~windows.padding[:, 1:]
+
+
+def wrong_labels(self, split):
+    return lambda positions: positions[:, :1]
+
+
+BROKEN_OBJECTIVES = [
+    (broken_objective(NextToken, "copy", make_batch=lambda self, w: Batch(w[:, :-1], w[:, :-1])), "causal",
+     "of the scored targets t equal input_ids[t + 0]"),
+    (broken_objective(NextToken, "peeking", causal=False), "causal",
+     "equal input_ids[t + 1], which the model sees, attending bidirectionally"),
+    (broken_objective(NextToken, "summed", loss=lambda self, logits, batch: F.cross_entropy(
+        logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")), "loss",
+     "differs from the mean cross-entropy of the batch's scored targets"),
+    (broken_objective(Masked, "unmasked", loss=lambda self, logits, batch: F.cross_entropy(
+        logits.flatten(0, 1), torch.where(batch.targets < 0, batch.input_ids, batch.targets).flatten())),
+     "ignore_index", "whose ignored (IGNORE_INDEX) target moves the loss"),
+    (broken_objective(Masked, "hard-coded", setup=lambda self, vocab: setattr(self, "mask_id", vocab.tokenizer_size)
+                      or setattr(self, "high", vocab.tokenizer_size)), "special_tokens",
+     "with the tokenizer's own special ids {'mask': 1}, tokenizer_size 19, size 37: input ids [19] are neither"),
+    (broken_objective(Masked, "everyone", setup=whole_vocabulary), "special_tokens",
+     "are neither tokenizer ids nor special ids from setup"),
+    (broken_objective(Masked, "global-draws", draws=global_draws), "determinism",
+     "drew from torch's global random state"),
+    (broken_objective(Masked, "own-stream", draws=own_stream), "replica_slices",
+     "give other input_ids than rows 2..3 of the global batch"),
+    (broken_objective(Responses, "early", scored=labels_of_the_input), "prompt_mask",
+     "has loss_mask 1 (a response token) but is not scored"),
+    (broken_objective(Responses, "padded", scored=lambda self, w: torch.ones_like(w.padding[:, 1:])), "padding",
+     "changed the targets: padding is scored"),
+    (broken_objective(Responses, "windowless", make_batch_from=Objective.make_batch_from), "declarations",
+     "sampling is 'documents' but make_batch_from is not overridden"),
+    (broken_objective(Responses, "sloppy", token_labels=wrong_labels), "token_labels",
+     "maps positions (2, 5) to int64 (2, 1)"),
+]
+
+
+@pytest.mark.parametrize("plugin", [NextToken, Masked, Responses], ids=lambda p: p.name)
+def test_a_correct_small_objective_passes_and_leaves_the_callers_random_state_alone(plugin):
+    rng = torch.get_rng_state()
+    check_objective(plugin)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("plugin, check, observed", BROKEN_OBJECTIVES,
+                         ids=[f"{p.name}-{c}" for p, c, _ in BROKEN_OBJECTIVES])
+def test_a_broken_objective_fails_the_check_that_observes_its_bug(plugin, check, observed):
+    found = failures(OBJECTIVE_CHECKS, ObjectiveSubject(plugin))
+    assert check in found, found
+    assert found[check].startswith(f"{plugin.name}: {check}: ") and observed in found[check], found[check]
+    with pytest.raises(ConformanceError, match=f"(?m)^{plugin.name}: {check}: "):
+        check_objective(plugin)
+
+
+def test_an_objective_whose_loss_is_not_the_cross_entropy_says_so():
+    z_loss = broken_objective(NextToken, "z", loss=lambda self, logits, batch: NextToken.loss(self, logits, batch)
+                              + 1e-2 * torch.logsumexp(logits.float(), -1).square().mean())
+    with pytest.raises(ConformanceError, match="^z: loss: .*pass cross_entropy=False"):
+        check_objective(z_loss)
+    check_objective(z_loss, cross_entropy=False)
+    ascending = broken_objective(NextToken, "ascending", loss=lambda self, logits, batch: -NextToken.loss(
+        self, logits, batch))
+    with pytest.raises(ConformanceError, match="^ascending: loss: raising the logits of the scored targets by 5 moved "
+                                               "the loss from .* not lower"):
+        check_objective(ascending, cross_entropy=False)
