@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmlab.api import ModelShape, UserError, Vocabulary
-from lmlab.model import LanguageModel
+from lmlab.model import LanguageModel, build_model, shape_of
 
 #: ``vocab_size`` of the shape ``lmlab check`` builds on the meta device when the tokenizer cannot say
 #: its own without being fitted on the data (a char vocabulary): checks that need the real one wait for
@@ -120,17 +120,13 @@ def model_shape(model, tokenizer_vocab: int | None, reserved: int = 0) -> ModelS
     the tokenizer's vocabulary that the objective's special tokens take (see :func:`vocabulary`).
     ``tokenizer_vocab`` None: not known before the data is read (``lmlab check``)."""
     if tokenizer_vocab is None:
-        return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
-                          block_size=model.block_size, vocab_size=model.vocab_size or UNKNOWN_VOCABULARY + reserved,
-                          dropout=model.dropout, bias=model.bias, init_std=model.init_std)
+        return shape_of(model, model.vocab_size or UNKNOWN_VOCABULARY + reserved)
     vocab = model.vocab_size or tokenizer_vocab + reserved
     if vocab < tokenizer_vocab + reserved:
         needs = f" plus the objective's {reserved} special token(s)" if reserved else ""
         raise UserError(f"{vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}){needs}",
                         key="model.vocab_size")
-    return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
-                      block_size=model.block_size, vocab_size=vocab, dropout=model.dropout, bias=model.bias,
-                      init_std=model.init_std)
+    return shape_of(model, vocab)
 
 
 def special_ids(objective, tokenizer) -> dict[str, int]:
@@ -169,18 +165,3 @@ def _vocabulary_from_tokenizer(model, objective) -> bool:
     """Whether the model's vocabulary depends on the tokenizer: not when ``model.vocab_size`` is set and
     the objective reserves no special token that might take the tokenizer's ids."""
     return not model.vocab_size or bool(getattr(objective, "special_tokens", ()))
-
-
-def build_model(model, shape: ModelShape, plugins: dict) -> LanguageModel:
-    """The model ``model`` (``[model]``) describes, from the position, attention and ffn plugins; bidirectional
-    when the objective is not causal, which needs an attention plugin that supports it
-    (``Attention.bidirectional``)."""
-    objective = plugins.get("objective")
-    causal = getattr(objective, "causal", True)
-    if not causal and not getattr(plugins["attention"], "bidirectional", False):
-        raise UserError(f"attention plugin {plugins['attention'].name!r} is causal only, and objective "
-                        f"{objective.name!r} needs bidirectional attention; use one that supports it "
-                        "(mha, gqa, mqa)", key="attention.use")
-    return LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
-                         ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
-                         tie_embeddings=model.tie_embeddings, causal=causal)

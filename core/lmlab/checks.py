@@ -41,15 +41,18 @@ def run(variant, machine: bool = True) -> CheckContext:
     return context
 
 
-def run_all(variants) -> None:
-    """Run every variant's checks; a refusal in a sweep names the variant as well as the key."""
+def run_all(variants) -> dict:
+    """Run every variant's checks; returns variant name → the context its plugins saw (a run reuses
+    them rather than checking again). A refusal in a sweep names the variant as well as the key."""
+    contexts = {}
     for variant in variants:
         try:
-            run(variant)
+            contexts[variant.name] = run(variant)
         except UserError as exc:
             if len(variants) == 1:
                 raise
             raise UserError(f"{exc.message} (variant {variant.name})", key=exc.key) from None
+    return contexts
 
 
 

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmlab.api import InferenceCache, MixerContext, ModelShape, ParamInfo
 from lmlab.config import CHECKPOINTING
+from lmlab.errors import UserError
 from lmlab.norms import build_norm
 
 
@@ -205,3 +206,23 @@ def compute_loss(model: LanguageModel, objective, batch, forward=None) -> StepLo
     return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)
 
 
+def shape_of(model, vocab_size: int) -> ModelShape:
+    """The shape ``model`` (``[model]``, a ModelOptions) describes, with ``vocab_size`` ids."""
+    return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
+                      block_size=model.block_size, vocab_size=vocab_size, dropout=model.dropout, bias=model.bias,
+                      init_std=model.init_std)
+
+
+def build_model(model, shape: ModelShape, plugins: dict) -> LanguageModel:
+    """The model ``model`` (``[model]``) describes, from the position, attention and ffn plugins; bidirectional
+    when the objective is not causal, which needs an attention plugin that supports it
+    (``Attention.bidirectional``)."""
+    objective = plugins.get("objective")
+    causal = getattr(objective, "causal", True)
+    if not causal and not getattr(plugins["attention"], "bidirectional", False):
+        raise UserError(f"attention plugin {plugins['attention'].name!r} is causal only, and objective "
+                        f"{objective.name!r} needs bidirectional attention; use one that declares it "
+                        "(Attention.bidirectional; see `lmlab plugins attention`)", key="attention.use")
+    return LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
+                         ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
+                         tie_embeddings=model.tie_embeddings, causal=causal)

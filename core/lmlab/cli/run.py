@@ -44,7 +44,7 @@ def main(args) -> int:
     selected = _select(variants, args.only)
     from lmlab import checks
 
-    checks.run_all(selected)  # a variant that cannot run is bad input, before any other trains
+    checked = checks.run_all(selected)  # a variant that cannot run is bad input, before any other trains
     sweep.check_out(out)
     with contextlib.ExitStack() as held:
         locks = {}
@@ -79,7 +79,7 @@ def main(args) -> int:
                                                                        for item in todo if item.run_dir in locks})
             failed = [item for item in todo if (results.get(item.variant.name) or {}).get("status") != "completed"]
         else:
-            failed = _run_here(todo, say)
+            failed = _run_here(todo, say, checked)
     if main_process:
         _closing_note(variants[0], [item.run_dir for item in planned], say)
         if failed:
@@ -106,7 +106,7 @@ def _select(variants: list, only: list[str]) -> list:
     return [by_name[name] for name in dict.fromkeys(only)]
 
 
-def _run_here(todo: list, say) -> list:
+def _run_here(todo: list, say, checked: dict) -> list:
     """Train the variants one after another in this process; returns those that did not complete."""
     from lmlab.train.runner import run_variant
 
@@ -118,7 +118,7 @@ def _run_here(todo: list, say) -> list:
         if item.action == "restart" and sweep.is_main_process():
             sweep.clear(run_dir)
         try:
-            result = run_variant(variant, run_dir, resume=item.action == "resume")
+            result = run_variant(variant, run_dir, resume=item.action == "resume", checked=checked[variant.name])
         except UserError as exc:
             if len(todo) == 1:
                 raise  # one variant and bad input: the plain exit-2 message

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from lmlab import discovery
-from lmlab.api import ModelShape
-from lmlab.model import LanguageModel
+from lmlab.model import LanguageModel, build_model, shape_of
 
 
 def manifest_tables(config) -> dict:
@@ -58,16 +57,16 @@ def folder_tables(folder) -> dict:
 
 
 def build(tables: dict) -> LanguageModel:
-    """An (untrained) lmlab model from the tables of `manifest_tables`."""
-    m = tables["model"]
-    shape = ModelShape(n_layers=m["n_layers"], d_model=m["d_model"], n_heads=m["n_heads"],
-                       block_size=m["block_size"], vocab_size=m["vocab_size"], dropout=m["dropout"], bias=m["bias"])
+    """An (untrained) lmlab model from the tables of `manifest_tables`, built as every run's model is
+    (:func:`lmlab.model.build_model`)."""
+    from lmlab.config import ModelOptions
+
+    model = ModelOptions(**tables["model"])
     plugins = {}
     for slot in ("position", "attention", "ffn"):
-        options = {k: v for k, v in tables[slot].items() if k != "use"}
         cls = discovery.load(slot, tables[slot]["use"])
-        plugins[slot] = cls(cls.Options(**options))
-    return LanguageModel(shape, norm=m["norm"], norm_eps=m["norm_eps"], tie_embeddings=m["tie_embeddings"], **plugins)
+        plugins[slot] = cls(cls.Options(**{k: v for k, v in tables[slot].items() if k != "use"}))
+    return build_model(model, shape_of(model, model.vocab_size), plugins)
 
 
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:

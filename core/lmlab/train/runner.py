@@ -35,15 +35,16 @@ class RunResult:
     is_main: bool  # this process is the main (rank 0) one
 
 
-def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) -> RunResult:
+def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=(), checked=None) -> RunResult:
     """Train ``variant`` into ``run_dir``; the summary is also written to summary.json.
 
     ``extra_hooks``: further objects with ``@hookimpl`` methods (a notebook's probe, a benchmark).
+    ``checked``: the variant's :func:`lmlab.checks.run` context when the caller checked it already.
     """
     started = time.perf_counter()
     attempt = {"recorded": False}  # whether this attempt's summary.json has been written
     try:
-        return _run(variant, run_dir, resume, extra_hooks, started, attempt)
+        return _run(variant, run_dir, resume, extra_hooks, started, attempt, checked)
     except UserError:
         raise  # bad input, found before the run began: the message is the record, the folder untouched
     except BaseException as exc:
@@ -54,7 +55,8 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=()) ->
         raise
 
 
-def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, attempt: dict) -> RunResult:
+def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, attempt: dict,
+         checked=None) -> RunResult:
     import lightning as L
 
     from lmlab.train.checkpoint_io import RunFolderCheckpointIO
@@ -68,7 +70,8 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
         torch.set_num_threads(cfg.threads)
     allocator.tune_for_training()
     L.seed_everything(variant.seed, verbose=False)
-    checked = checks.run(variant)  # what the manifest alone tells is wrong, before the data is read
+    # What the manifest alone tells is wrong, before the data is read (done already by `lmlab run`).
+    checked = checked if checked is not None else checks.run(variant)
     # The plugins, the corpus and the tokenizer fitted on it, the vocabulary (the objective's special
     # tokens may grow it past the tokenizer's: mlm's [MASK]), the shape and the freshly initialised model.
     built = assemble(variant, data=True, plugins=dict(checked.plugins))
