@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from lmlab import manifest, provenance
+    from lmlab import checks, manifest, provenance
     from lmlab.cli.run import _run_here
     from lmlab.train import sweep
 
@@ -47,13 +47,14 @@ def main(args) -> int:
     if args.overrides:
         say(f"warning: changed from the recorded manifest: {', '.join(args.overrides)}")
 
+    checked = checks.run_all([variant])  # refused before anything is written, as in lmlab run
     sweep.check_out(out)
     with contextlib.ExitStack() as held:
         sweep.claim([out / variant.name], held)
         (item,) = sweep.plan([variant], out)
         if item.action == "skip":
             say(f"{item.run_dir} already holds a completed rerun")
-        elif _run_here([item], say):
+        elif _run_here([item], say, checked):
             return 1
     _report(run_dir, item.run_dir)
     return 0
