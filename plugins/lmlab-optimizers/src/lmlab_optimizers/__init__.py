@@ -1,1 +1,1 @@
-"""Optimizers for lmlab (entry point ``adamw``)."""
+"""Optimizers for lmlab (entry points adamw, sgd, adafactor, lion, lamb, muon, adam8bit)."""
