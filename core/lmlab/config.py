@@ -2,11 +2,11 @@
 (the weights a fine-tune starts from)."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, model_validator
 
-from lmlab.api import Field, Options
+from lmlab.api import Field, Options, UserError
 from lmlab.tables import CORE_TABLE_NAMES
 
 #: What activation checkpointing recomputes in backward (``LanguageModel.set_checkpointing``).
@@ -47,9 +47,19 @@ class TrainOptions(Options):
         2000, gt=0, help="16-mixed: double the loss scale after this many steps without inf/NaN gradients")
     loss_scale_backoff: float = Field(
         0.5, gt=0, lt=1, help="16-mixed: multiply the loss scale by this when gradients overflow (the step is skipped)")
-    grad_clip: float = Field(1.0, ge=0, help="clip the global gradient norm to this (0: off)")
+    grad_clip: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        1.0, help="clip the global gradient norm to this (0: off); auto = 0.1·sqrt(model.n_layers)")
+    lr_scaling: Literal["none", "sqrt", "linear"] = Field(
+        "none", help="scale optimizer.lr, given for base_batch_tokens, to this run's global batch: "
+                     "lr·sqrt(batch/base) (Adam-family), lr·batch/base (SGD), or not at all")
+    base_batch_tokens: int | None = Field(
+        None, gt=0, help="the global batch in tokens that optimizer.lr was chosen for (lr_scaling needs it)")
     warmup_steps: int = Field(100, ge=0, help="linear learning-rate warmup")
-    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", help="decay after warmup")
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd", "inverse-sqrt"] = Field(
+        "cosine", help="after warmup: cosine, linear or no decay to min_lr at decay_steps; wsd holds the peak "
+                       "then decays linearly over the last decay_fraction; inverse-sqrt decays as "
+                       "sqrt(warmup/step), floored at min_lr")
+    decay_fraction: float = Field(0.2, gt=0, le=1, help="wsd: the share of decay_steps spent decaying")
     decay_steps: int | None = Field(None, gt=0, help="step at which decay ends (default: max_steps)")
     min_lr: float | None = Field(None, ge=0, help="learning rate at the end of decay (default: lr / 10)")
     eval_every: int = Field(250, gt=0, help="evaluate every this many steps (and at the end)")
@@ -70,7 +80,21 @@ class TrainOptions(Options):
         # records it so), not a choice to refuse.
         if self.decay_steps is not None and self.decay_steps < self.warmup_steps and self.decay_steps != self.max_steps:
             raise ValueError("decay_steps must not be smaller than warmup_steps")
+        if self.lr_scaling != "none" and self.base_batch_tokens is None:
+            raise UserError(f"required by lr_scaling = \"{self.lr_scaling}\": the global batch (tokens per "
+                            "optimizer step) that optimizer.lr was chosen for", key="train.base_batch_tokens")
         return self
+
+
+class ResolvedOptions(Options):
+    """The numbers a run derives from the rules in [train] (``grad_clip = "auto"``, ``lr_scaling``),
+    written by lmlab into manifest.toml's ``[resolved]``. Given back (a rerun), each must equal what
+    the rules give, so a run folder never says one thing and trains another."""
+
+    batch_tokens: int = Field(..., gt=0, help="tokens per optimizer step over every data-parallel replica")
+    lr_factor: float = Field(..., gt=0, help="what lr_scaling multiplies each param group's learning rate by")
+    lr: float | None = Field(None, gt=0, help="optimizer.lr × lr_factor: the peak learning rate trained with")
+    grad_clip: float = Field(..., ge=0, help="the gradient-norm clip trained with (0: off)")
 
 
 class InitOptions(Options):
@@ -90,7 +114,8 @@ class InitOptions(Options):
                                     "lacks keep their fresh initialisation, and extra ones are ignored)")
 
 
-CORE_TABLES: dict[str, type[Options]] = dict(zip(CORE_TABLE_NAMES, (ModelOptions, TrainOptions, InitOptions),
-                                                  strict=True))
-#: Core tables resolved only when a manifest has them (the others are filled with their defaults).
-OPTIONAL_TABLES = frozenset({"init"})
+CORE_TABLES: dict[str, type[Options]] = dict(zip(CORE_TABLE_NAMES, (ModelOptions, TrainOptions, InitOptions,
+                                                                    ResolvedOptions), strict=True))
+#: Core tables resolved only when a manifest has them (the others are filled with their defaults);
+#: [resolved] is derived, and only checked when given.
+OPTIONAL_TABLES = frozenset({"init", "resolved"})

@@ -31,6 +31,22 @@ class Hooks:
     def call(self, name: str, **kwargs) -> list:
         return getattr(self.manager.hook, name)(**kwargs) if self.has(name) else []
 
+    def collect_each(self, name: str, warn, **kwargs) -> dict:
+        """Like :meth:`collect`, but each implementation on its own: one that raises is reported
+        through ``warn`` and the others still run (for hooks that close what a run opened)."""
+        merged: dict = {}
+        if not self.has(name):
+            return merged
+        for impl in reversed(getattr(self.manager.hook, name).get_hookimpls()):  # pluggy's call order
+            try:
+                result = impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            except Exception as exc:  # noqa: BLE001 - reported, and the other plugins still close
+                warn(f"{impl.plugin_name.split('#')[0]}.{name} failed: {type(exc).__name__}: {exc}")
+                continue
+            if result:
+                merged.update(result)
+        return merged
+
     def collect(self, name: str, **kwargs) -> dict:
         """Call a hook whose implementations may return metric dicts; merge them."""
         merged: dict = {}

@@ -80,9 +80,12 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, point) -> Varia
             slots[slot] = _many(slot, table, base_dir)
         else:
             slots[slot] = _single(slot, table, base_dir, slot in switched, notes)
-    train = _resolve_train(tables["train"], slots.get("optimizer"))
+    resolved = derive(tables["train"], tables["model"], slots.get("optimizer"), slots.get("parallel"))
+    if "resolved" in manifest:
+        _check_resolved(manifest["resolved"], resolved, tables["train"], tables["model"], base_dir)
+    train = _resolve_train(tables["train"], slots.get("optimizer"), resolved)
     return Variant(variant_name, experiment=name, seed=seed, description=description, model=tables["model"],
-                   train=train, slots=slots, base_dir=base_dir, init=init, init_source=source,
+                   train=train, resolved=resolved, slots=slots, base_dir=base_dir, init=init, init_source=source,
                    sweep=dict(point.settings) if point is not None else {}, notes=tuple(notes))
 
 
@@ -97,7 +100,30 @@ def _single(slot: str, table: dict, base_dir: Path, switched: bool, notes: list[
         for key in dropped:
             del values[key]
             notes.append(f"{slot}.{key} does not apply to {slot} plugin {use!r}; ignored")
-    return Choice(cls, validate_options(cls.Options, values, slot, base_dir, plugin=use))
+    try:
+        return Choice(cls, validate_options(cls.Options, values, slot, base_dir, plugin=use))
+    except UserError as exc:
+        if exc.message.startswith("unknown option") and exc.key:
+            raise UserError(exc.message + _owners(slot, use, exc.key.split(".")[-1]), key=exc.key) from None
+        raise
+
+
+def _owners(slot: str, use: str, option: str) -> str:
+    """Which other installed plugins of ``slot`` have ``option`` (an optimizer's option given to another
+    optimizer). Only on this error path are the slot's other plugins imported."""
+    owners = []
+    for info in discovery.installed().get(slot, []):
+        if info.name == use or info.name in owners:
+            continue
+        try:
+            other = discovery.load(slot, info.name)
+        except Exception:  # noqa: BLE001 - a broken plugin says nothing about this option
+            continue
+        if option in other.Options.model_fields:
+            owners.append(info.name)
+    if not owners:
+        return ""
+    return f"; it is an option of {slot} plugin{'s' if len(owners) > 1 else ''} {', '.join(map(repr, owners))}"
 
 
 def _many(slot: str, table: dict, base_dir: Path) -> tuple[Choice, ...]:
@@ -119,7 +145,51 @@ def _many(slot: str, table: dict, base_dir: Path) -> tuple[Choice, ...]:
     return tuple(chosen)
 
 
-def _resolve_train(train, optimizer: Choice | None):
+def derive(train, model, optimizer: Choice | None, parallel: Choice | None):
+    """The [resolved] numbers: the global batch in tokens, the learning-rate factor of
+    ``train.lr_scaling`` (and the peak learning rate it gives), the gradient clip of ``grad_clip``."""
+    from lmlab.config import ResolvedOptions
+
+    batch_tokens = train.batch_size * train.grad_accum * model.block_size * _replicas(parallel)
+    ratio = batch_tokens / train.base_batch_tokens if train.base_batch_tokens else 1.0
+    factor = {"none": 1.0, "sqrt": ratio ** 0.5, "linear": ratio}[train.lr_scaling]
+    lr = getattr(optimizer.options, "lr", None) if optimizer is not None else None
+    clip = 0.1 * model.n_layers ** 0.5 if train.grad_clip == "auto" else float(train.grad_clip)
+    return ResolvedOptions(batch_tokens=batch_tokens, lr_factor=factor,
+                           lr=lr * factor if isinstance(lr, (int, float)) else None, grad_clip=clip)
+
+
+def _replicas(parallel: Choice | None) -> int:
+    """Data-parallel replicas (``Parallel.data_parallel_replicas``); 1 for a plugin from before API 1.7."""
+    if parallel is None:
+        return 1
+    replicas = getattr(parallel.build(), "data_parallel_replicas", None)
+    return int(replicas()) if replicas is not None else 1
+
+
+def _check_resolved(given, derived, train, model, base_dir: Path) -> None:
+    """A [resolved] table given back (a run folder's manifest.toml) must hold what the rules give."""
+    from lmlab.config import ResolvedOptions
+
+    if not isinstance(given, dict):
+        raise UserError("must be a table", key="resolved")
+    unknown = set(given) - set(ResolvedOptions.model_fields)
+    if unknown:
+        key = sorted(unknown)[0]
+        raise UserError(f"unknown key{did_you_mean(key, list(ResolvedOptions.model_fields))}", key=f"resolved.{key}")
+    why = {"grad_clip": (f"train.grad_clip = \"auto\", which gives 0.1·sqrt(model.n_layers = {model.n_layers})"
+                         if train.grad_clip == "auto" else f"train.grad_clip = {train.grad_clip}"),
+           "lr_factor": f"train.lr_scaling = \"{train.lr_scaling}\"", "lr": "optimizer.lr × lr_factor",
+           "batch_tokens": "batch_size × grad_accum × block_size × data-parallel replicas"}
+    for key, value in given.items():
+        want = getattr(derived, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or want is None \
+                or abs(value - want) > 1e-9 * max(1.0, abs(want)):
+            raise UserError(f"{value!r} contradicts {why[key]} = {want!r}; [resolved] is written by lmlab from "
+                            "those rules: remove it, or change the rule's own keys", key=f"resolved.{key}")
+
+
+def _resolve_train(train, optimizer: Choice | None, resolved=None):
     """[train] with the values its defaults stand for written in: a run and its manifest.toml agree
     on them, and the planner reads the same ones."""
     filled = {}
@@ -129,5 +199,5 @@ def _resolve_train(train, optimizer: Choice | None):
         filled["eval_batch_size"] = 4 * train.batch_size
     lr = getattr(optimizer.options, "lr", None) if optimizer is not None else None
     if train.min_lr is None and isinstance(lr, (int, float)):
-        filled["min_lr"] = lr / 10
+        filled["min_lr"] = lr * (resolved.lr_factor if resolved is not None else 1.0) / 10
     return train.model_copy(update=filled) if filled else train

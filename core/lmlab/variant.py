@@ -57,6 +57,7 @@ class Variant:
     model: Any  # lmlab.config.ModelOptions
     train: Any  # lmlab.config.TrainOptions
     slots: Mapping[str, Choice | tuple[Choice, ...]]  # slot → its choice (many-valued slots: a tuple)
+    resolved: Any = None  # lmlab.config.ResolvedOptions: what grad_clip = "auto" and lr_scaling give
     base_dir: Path = Path(".")  # the manifest's folder: relative paths resolved against it
     init: Any = None  # lmlab.config.InitOptions of a fine-tune, or None
     init_source: Any = None  # lmlab.pretrained.Source: where init.from was found (located once)
@@ -89,6 +90,8 @@ class Variant:
                 out[slot] = {"use": [c.name for c in chosen], **{c.name: c.table() for c in chosen}}
             else:
                 out[slot] = {"use": chosen.name, **chosen.table()}
+        if self.resolved is not None:
+            out["resolved"] = self.resolved.model_dump(mode="json", exclude_none=True)
         return out
 
     @cached_property
@@ -96,6 +99,16 @@ class Variant:
         """slot → plugin class (many-valued slots: a list of classes)."""
         return {slot: [c.plugin for c in chosen] if isinstance(chosen, tuple) else chosen.plugin
                 for slot, chosen in self.slots.items()}
+
+    @property
+    def grad_clip(self) -> float:
+        """The gradient-norm clip trained with (``train.grad_clip = "auto"`` resolved; 0: off)."""
+        return self.resolved.grad_clip if self.resolved is not None else float(self.train.grad_clip)
+
+    @property
+    def lr_factor(self) -> float:
+        """What ``train.lr_scaling`` multiplies the optimizer's learning rates by."""
+        return self.resolved.lr_factor if self.resolved is not None else 1.0
 
     def options(self, slot: str, plugin: str | None = None):
         """The validated Options instance of a slot's plugin (``plugin``: which, in a many-valued slot)."""

@@ -5,7 +5,8 @@ lifecycle hookspecs. Versioned by ``API_VERSION``; see [lmlab.api.version][lmlab
 policy. Each slot's base class says what the core calls, when, with what shapes and dtypes and in
 which mode; ``SLOT_BASES`` maps each slot's name to that class (``SLOT_BASES["attention"]`` is
 [Attention][lmlab.api.attention.Attention]; the ``monitor`` and ``compress`` slots take any
-[Plugin][lmlab.api.plugin.Plugin], acting through hooks).
+[Plugin][lmlab.api.plugin.Plugin], acting through hooks; [Monitor][lmlab.api.monitor.Monitor] is the
+monitor slot's convenience base).
 
 How to write, test and publish a plugin: the README's section "Writing and publishing a plugin".
 The reference of every name here is rendered from these docstrings by
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.hooks import LifecycleSpec, hookimpl, hookspec
     from lmlab.api.layout import Collective, MemoryLayout
     from lmlab.api.model import LanguageModel
+    from lmlab.api.monitor import FAILURE_KINDS, Diagnosis, Fix, Monitor, RunControl, RunFailed, StepTiming
     from lmlab.api.objective import Objective, TokenSplit, Vocabulary
     from lmlab.api.optimizer import Optimizer, OptimizerOptions, ParamInfo
     from lmlab.api.options import Field, Options
@@ -75,6 +77,13 @@ _EXPORTS = {
     "Collective": "lmlab.api.layout",
     "MemoryLayout": "lmlab.api.layout",
     "LanguageModel": "lmlab.api.model",
+    "FAILURE_KINDS": "lmlab.api.monitor",
+    "Diagnosis": "lmlab.api.monitor",
+    "Fix": "lmlab.api.monitor",
+    "Monitor": "lmlab.api.monitor",
+    "RunControl": "lmlab.api.monitor",
+    "RunFailed": "lmlab.api.monitor",
+    "StepTiming": "lmlab.api.monitor",
     "Objective": "lmlab.api.objective",
     "TokenSplit": "lmlab.api.objective",
     "Vocabulary": "lmlab.api.objective",

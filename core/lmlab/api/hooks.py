@@ -28,6 +28,16 @@ class LifecycleSpec:
     """
 
     @hookspec
+    def lmlab_run_start(self, control: Any) -> None:
+        """Called once per variant in every process when its run begins: after the checks, before
+        the data is read and the model is built (API 1.7). A monitor that watches the whole run (a
+        watchdog) starts here.
+
+        Args:
+            control: The run's [RunControl][lmlab.api.monitor.RunControl].
+        """
+
+    @hookspec
     def lmlab_model_built(self, model: Any, manifest: dict) -> None:
         """Called once per variant in every process after the model is assembled, initialised, given
         its starting weights (``[init]``) and its PEFT adapter, before training (and before
@@ -39,7 +49,8 @@ class LifecycleSpec:
         """
 
     @hookspec
-    def lmlab_before_optimizer_step(self, step: int, model: Any, optimizer: Any) -> dict | None:
+    def lmlab_before_optimizer_step(self, step: int, model: Any, optimizer: Any, grad_norm: Any,
+                                    loss: Any, control: Any) -> dict | None:
         """Called in every process before each optimizer step, after gradients are final
         (accumulated, unscaled) and before they are clipped.
 
@@ -49,10 +60,17 @@ class LifecycleSpec:
             step: Optimizer steps completed so far (0 before the first).
             model: The language model (its parameters hold the gradients).
             optimizer: The optimizer about to step.
+            grad_norm: 0-dim float32 tensor on the device, the global L2 norm of every gradient
+                before clipping, computed once by the core (clipping reuses it); None where the
+                gradients are not the parameters' own (DeepSpeed keeps them in its engine). API 1.7.
+            loss: 0-dim tensor, the step's loss (as ``lmlab_train_batch_end`` gets it). API 1.7.
+            control: The run's [RunControl][lmlab.api.monitor.RunControl]: ``skip_step`` here leaves
+                this step out. API 1.7.
         """
 
     @hookspec
-    def lmlab_train_batch_end(self, step: int, loss: Any, model: Any, log: bool) -> dict | None:
+    def lmlab_train_batch_end(self, step: int, loss: Any, model: Any, log: bool, timing: Any,
+                              control: Any) -> dict | None:
         """Called after each optimizer step with the step's loss tensor (not synced to the host:
         calling ``.item()`` here costs a device sync). ``log`` is True on the steps whose metrics
         are written (every ``[train] log_every``): return metrics (floats) then, and None on the
@@ -66,6 +84,8 @@ class LifecycleSpec:
             loss: 0-dim tensor, this process's loss of the step (the mean over its micro-batches).
             model: The language model.
             log: Whether this step's metrics are written.
+            timing: The step's [StepTiming][lmlab.api.monitor.StepTiming] (API 1.7).
+            control: The run's [RunControl][lmlab.api.monitor.RunControl] (API 1.7).
         """
 
     @hookspec
@@ -78,6 +98,18 @@ class LifecycleSpec:
     def lmlab_checkpoint_saved(self, path: str, step: int) -> None:
         """Called on the main process after a checkpoint (``last.ckpt`` or ``best.ckpt``) is
         completely written and in place, with its path and step."""
+
+    @hookspec
+    def lmlab_run_end(self, status: str, control: Any) -> dict | None:
+        """Called once per variant in every process when its run ends, whether ``completed``,
+        ``failed`` or ``interrupted`` (``status``), before ``summary.json`` is written (API 1.7).
+        Stop what ``lmlab_run_start`` started here. What the main process returns (JSON values) is
+        added to the summary; keys the core writes itself are not overwritten.
+
+        Args:
+            status: How the run ended.
+            control: The run's [RunControl][lmlab.api.monitor.RunControl].
+        """
 
     @hookspec
     def lmlab_fit_end(self, summary: dict) -> None:

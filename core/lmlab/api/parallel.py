@@ -33,6 +33,9 @@ class LaunchOptions(Options):
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps"] = Field("auto", help="device type")
     backend: str | None = Field(
         None, help="torch.distributed backend (nccl, gloo, ...); default nccl on GPUs, gloo on the CPU")
+    timeout_s: float = Field(
+        1800.0, gt=0, help="seconds a collective waits for every process before the run fails (torch's "
+                           "default, 30 minutes); a failed run's diagnosis names the late process (API 1.7)")
 
     def processes(self) -> tuple[str, int, int]:
         """(device type, processes per node, processes in all), checked against this machine
@@ -65,6 +68,17 @@ class Parallel(Plugin):
     """
 
     slot = "parallel"
+
+    def data_parallel_replicas(self) -> int:
+        """How many data-parallel replicas a run has, each training on its own ``batch_size ×
+        grad_accum`` sequences per optimizer step (API 1.7): the global batch that
+        ``train.lr_scaling`` scales by, counted before any process starts. Default: every process
+        of a plugin with [LaunchOptions][lmlab.api.parallel.LaunchOptions] (``devices × num_nodes``,
+        ``devices = "auto"`` counting this machine's GPUs, or 1), else 1. Override it when processes
+        share a batch (tensor or pipeline parallelism)."""
+        if isinstance(self.options, LaunchOptions):
+            return self.options.planned_processes(None)[1]
+        return 1
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``lightning.Trainer``: ``strategy``, ``accelerator``, ``devices``,

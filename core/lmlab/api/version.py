@@ -63,6 +63,14 @@ and raise the bound when the plugin starts to use a newer one.
      ``Parallel.trainer_precision`` (the precision, and 16-mixed's loss scaler, are the parallel
      plugin's business; ``loss_scaling`` reads the ``train.loss_scale_*`` options); the default
      ``Parallel.check`` refuses an accelerator the machine lacks and 16-mixed on the CPU.
+
+1.7: The monitor slot's API (``lmlab.api.monitor``): ``Monitor``, ``RunControl`` (skip a step, roll back,
+     locate the first non-finite module, fail with a ``Diagnosis``, note a warning), ``RunFailed``,
+     ``Diagnosis``/``Fix``, ``StepTiming``. Hooks ``lmlab_run_start(control)`` and
+     ``lmlab_run_end(status, control)`` (whose return joins summary.json);
+     ``lmlab_before_optimizer_step`` receives ``grad_norm``, ``loss`` and ``control``;
+     ``lmlab_train_batch_end`` receives ``timing`` and ``control``. ``LaunchOptions.timeout_s`` (how long a
+     collective waits before the run fails).
 """
 
-API_VERSION = "1.6"
+API_VERSION = "1.7"

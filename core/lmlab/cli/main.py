@@ -18,6 +18,7 @@ VERBS = {
     "plugins": "lists installed plugins per slot, and known ones that are not installed",
     "compare": "tabulates the variants of a runs folder (seeds pooled, tested against a baseline), with plots",
     "generate": "generates text from a trained run",
+    "doctor": "prints a run's failure diagnosis (cause, evidence, fixes) and its health from what it recorded",
     "merge": "folds a PEFT run's adapter into its base weights and writes a plain model",
     "eval": "scores a trained run's greedy answers to held-out instruction records (exact match)",
     "rerun": "trains a run again from its recorded manifest and says where the environment differs",

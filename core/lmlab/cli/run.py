@@ -127,7 +127,8 @@ def _run_here(todo: list, say, checked: dict) -> list:
             continue
         except Exception as exc:  # recorded in the variant's summary.json and error.log by the runner
             failed.append(item)
-            say(f"[{variant.name}] failed: {type(exc).__name__}: {exc}")
+            say(f"[{variant.name}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            _say_diagnosis(run_dir, say)
             continue
         s = result.summary
         if not result.is_main:
@@ -139,6 +140,21 @@ def _run_here(todo: list, say, checked: dict) -> list:
               f"{s['tokens_per_s'] or 0:,.0f} tokens/s | {s['wall_s']:.0f}s | {s['params']:,} params", flush=True)
         _closing_sample(variant, result)
     return failed
+
+
+def _say_diagnosis(run_dir, say) -> None:
+    """The failed run's diagnosis (summary.json), under its one-line error."""
+    import json
+
+    from lmlab.diagnose import render
+
+    try:
+        diagnosis = json.loads((run_dir / "summary.json").read_text()).get("diagnosis")
+    except (OSError, ValueError):
+        return
+    if diagnosis:
+        say(render(diagnosis))
+        say(f"(lmlab doctor {run_dir} prints this again, with the run's health)")
 
 
 def _closing_sample(variant, result) -> None:

@@ -54,8 +54,20 @@ def measure_model(build, plugins: dict, shape, train, layout: MemoryLayout, prec
         # Backward recomputes one block's dropped activations at a time.
         plain = saved_for_backward("none")
         transient += max(0, plain.total - saved.total) / max(1, shape.n_layers)
-    optimizer_bytes = _optimizer_state_bytes(build("float32" if layout.master_weights else param_dtype),
-                                             plugins["optimizer"])
+    state_dtype = "float32" if layout.master_weights else param_dtype
+    try:
+        optimizer_bytes = _optimizer_state_bytes(build(state_dtype), plugins["optimizer"])
+    except Exception as exc:  # noqa: BLE001 - whatever a step on fake tensors cannot do
+        # An optimizer whose step reads tensor values (Adafactor's scalar step size, a quantised
+        # state's absmax) cannot step fake parameters; a small model steps for real instead.
+        size = n_params * dtype_bytes(state_dtype)
+        if size > REAL_FORWARD_LIMIT:
+            raise UserError(f"cannot measure optimizer {plugins['optimizer'].name!r}'s state without stepping it "
+                            f"for real ({type(exc).__name__}), and at {human(size)} of parameters the model is "
+                            "too large to step here; plan a smaller model (fewer layers) and scale",
+                            key="optimizer.use") from None
+        with unset_fake_temporarily():
+            optimizer_bytes = _optimizer_state_bytes(build(state_dtype, fake=False), plugins["optimizer"])
     eval_batch = train.eval_batch_size
     # The logits (compute dtype, or fp32 when not autocast) and the loss's fp32 log-softmax; under
     # autocast the loss first makes an fp32 copy of the logits too.

@@ -64,6 +64,11 @@ def reset_peak() -> None:
         pass  # elsewhere the peak covers the whole process
 
 
+def on_cuda() -> bool:
+    """Whether this process has put anything on a CUDA device (its peak is then the device's)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def peak_mb() -> float:
     """The peak since :func:`reset_peak`: allocated CUDA memory on a GPU, else the process's peak
     resident set."""

@@ -17,8 +17,12 @@ _PLAIN_ATTRIBUTES = frozenset({"_current_fx_name", "_param_requires_grad_state",
 
 class LMModule(L.LightningModule):
     def __init__(self, model, objective, optimizer, train_cfg, hooks, compile: bool = False,
-                 parallel=None, peft=None):
+                 parallel=None, peft=None, control=None, lr_factor: float = 1.0):
         super().__init__()
+        self.control = control  # lmlab.train.control.Control: what monitors may do to the run
+        self.lr_factor = lr_factor  # train.lr_scaling's multiplier of every param group's learning rate
+        self.last_batch = None  # the step's last micro-batch, kept (a reference) for locating a non-finite value
+        self._grad_norm: torch.Tensor | None = None  # this step's pre-clip norm, when the hooks asked for it
         self.model = model
         # A PEFT run (lmlab.train.adapters.PeftRun): checkpoints keep only its adapter, and its
         # plugin's regularization (None for most) joins the training loss.
@@ -78,6 +82,7 @@ class LMModule(L.LightningModule):
 
     def training_step(self, windows, batch_idx: int) -> torch.Tensor:
         batch = self.make_batch(windows)
+        self.last_batch = batch
         if self._plugin_steps:
             # Lightning zeroes the gradients between training_step and backward, so the plugin's
             # forward-and-backward waits for backward(); what is returned here only stands in.
@@ -126,6 +131,12 @@ class LMModule(L.LightningModule):
         self.last_aux = None
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        norm, self._grad_norm = self._grad_norm, None
+        if gradient_clip_val and norm is not None and not self._parallelised:
+            # The hooks had the norm computed already: clip with it rather than computing it again.
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, float(gradient_clip_val), norm)
+            return
         # A layout that spreads or shards the model computes the global norm itself.
         if gradient_clip_val and self.parallel is not None and gradient_clip_algorithm in (None, "norm"):
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -155,17 +166,28 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = self.optimizer_plugin.build(self.model.param_infos())
+        if self.lr_factor != 1.0:  # train.lr_scaling: every group alike, so their ratios stay the plugin's
+            for group in optimizer.param_groups:
+                group["lr"] *= self.lr_factor
         base_lr = optimizer.param_groups[0]["lr"]
         min_lr = self.cfg.min_lr if self.cfg.min_lr is not None else base_lr / 10
         schedule = WarmupDecay(self.cfg.warmup_steps, self.cfg.decay_steps,
-                               min_lr / base_lr, self.cfg.lr_schedule)
+                               min_lr / base_lr, self.cfg.lr_schedule, self.cfg.decay_fraction)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if self.hooks.has("lmlab_before_optimizer_step"):
-            self.hooks.collect("lmlab_before_optimizer_step", step=self.trainer.global_step,
-                               model=self.model, optimizer=optimizer)
+        if not self.hooks.has("lmlab_before_optimizer_step"):
+            return
+        self._grad_norm = grad_norm(optimizer)
+        self.hooks.collect("lmlab_before_optimizer_step", step=self.trainer.global_step, model=self.model,
+                           optimizer=optimizer, grad_norm=self._grad_norm, loss=self.last_loss, control=self.control)
+        if self.control is not None and self.control.take_skip():
+            # An optimizer skips a parameter without a gradient: no update, no state change, no decay.
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self._grad_norm = None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Dropout draws from the global generator: keep it so a resumed run continues identically.
@@ -178,6 +200,17 @@ class LMModule(L.LightningModule):
             torch.set_rng_state(checkpoint["lmlab_rng"])
         if self.peft is not None:
             self.peft.restore(checkpoint)
+
+
+def grad_norm(optimizer) -> torch.Tensor | None:
+    """The global L2 norm of the optimizer's gradients (float32, on their device); None when the
+    parameters hold no gradients (DeepSpeed keeps them in its engine)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    full = getattr(norm, "full_tensor", None)  # a DTensor when the model is sharded
+    return (full() if full is not None else norm).float()
 
 
 def check_windows_fit(tokens, block_size: int) -> None:

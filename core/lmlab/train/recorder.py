@@ -21,6 +21,8 @@ import lightning as L
 import torch
 
 from lmlab import checkpoint, signals
+from lmlab.api.monitor import StepTiming
+from lmlab.diagnose import heartbeat
 from lmlab.train.checkpoint_io import replace
 from lmlab.rundir import MetricsLog
 
@@ -29,9 +31,22 @@ class Diverged(RuntimeError):
     """The loss became infinite or NaN: the run fails, and its summary says so."""
 
 
+def _finite_weights(model) -> bool:
+    """Whether every floating-point parameter is finite (this process's shard of a sharded one): one
+    pass over the weights, cheap beside writing them."""
+    checks = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+              for p in model.parameters() if p.is_floating_point()]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
 class RunRecorder(L.Callback):
-    def __init__(self, run_dir: Path, cfg, tokens_per_step: int, tracker, hooks, resume_step=None):
+    def __init__(self, run_dir: Path, cfg, tokens_per_step: int, tracker, hooks, resume_step=None, control=None):
         self.run_dir, self.cfg, self.tokens_per_step = run_dir, cfg, tokens_per_step
+        self.control = control
+        # Step timing for the hooks (StepTiming): when the last batch ended, and the time since spent
+        # outside training steps (waiting for batches, the loop's bookkeeping).
+        self._batch_end = self._step_end = 0.0
+        self._wait = 0.0
         self.tracker, self.hooks = tracker, hooks
         self.resume_step = resume_step
         self.ckpt_dir = run_dir / "checkpoints"
@@ -58,7 +73,9 @@ class RunRecorder(L.Callback):
         if trainer.is_global_zero:
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=self.resume_step)
         self._window_start, self._window_step = time.perf_counter(), trainer.global_step
+        self._batch_end = self._step_end = self._window_start
         self._seen_step = trainer.global_step
+        self._heartbeat = trainer.world_size > 1
         self._tmp_tag = trainer.strategy.broadcast(self._tmp_tag)
         # How many processes really took part (a collective every one of them joins), for the summary:
         # a parallel run that quietly trained on one process must not pass for a parallel one.
@@ -68,16 +85,27 @@ class RunRecorder(L.Callback):
         # checkpoint (and in the middle of an accumulation): note the signal, stop at a step's end.
         signals.defer()
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._wait += time.perf_counter() - self._batch_end
+        if self._heartbeat:  # which step each rank reached, for naming a late one if a collective times out
+            heartbeat(self.run_dir, trainer.global_rank, trainer.global_step)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = self._batch_end = time.perf_counter()
         step = trainer.global_step
         if step == self._seen_step:
             return  # still accumulating: no optimizer step happened
         self._seen_step = step
         if self.first_step_s is None:
-            self.first_step_s = time.perf_counter() - self._window_start
+            self.first_step_s = now - self._window_start
         log = step % self.cfg.log_every == 0 or step == trainer.max_steps
-        extra = self.hooks.collect("lmlab_train_batch_end", step=step, loss=pl_module.last_loss,
-                                   model=pl_module.model, log=log) if self.hooks.has("lmlab_train_batch_end") else {}
+        extra = {}
+        if self.hooks.has("lmlab_train_batch_end"):
+            timing = StepTiming(step_s=now - self._step_end, data_wait_s=self._wait,
+                                tokens=self.tokens_per_step * trainer.world_size)
+            extra = self.hooks.collect("lmlab_train_batch_end", step=step, loss=pl_module.last_loss,
+                                       model=pl_module.model, log=log, timing=timing, control=self.control)
+        self._step_end, self._wait = now, 0.0
         if log:
             self._log_train(trainer, pl_module, step, extra)
         elif extra and trainer.is_global_zero:
@@ -85,6 +113,7 @@ class RunRecorder(L.Callback):
         stop = self._termination_requested(trainer)
         if step % self.cfg.checkpoint_every == 0 or step == trainer.max_steps or stop:
             self.save_last(trainer)
+            self._batch_end = self._step_end = time.perf_counter()  # writing it is no step's data wait
         if stop:
             if trainer.is_global_zero:
                 self._say(f"SIGTERM: stopped after step {step}, its checkpoint written; running the same command "
@@ -112,13 +141,16 @@ class RunRecorder(L.Callback):
             # every rank reaches this line at the same step, so the collective cannot deadlock.
             loss = trainer.strategy.reduce(loss, reduce_op="mean")
         self.train_loss = loss.item()  # the one host sync per log interval
-        if not math.isfinite(self.train_loss) and self.cfg.precision != "16-mixed":
+        skipped = self.control is not None and self.control.last_skipped == step
+        if not math.isfinite(self.train_loss) and self.cfg.precision != "16-mixed" and not skipped:
             # Under 16-mixed an overflowing step is skipped by the loss scaler and training goes on.
             raise Diverged(f"the training loss is {self.train_loss} at step {step}: training diverged (lower "
                            "optimizer.lr, or set train.grad_clip)")
         if trainer.is_global_zero:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             record = {"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
+            if skipped:  # a monitor left this step out (its loss was not finite): the weights did not change
+                record["skipped"] = True
             if pl_module.last_aux is not None:
                 record["aux_loss"] = pl_module.last_aux.item()
             self._emit({**record, **extra})
@@ -127,6 +159,7 @@ class RunRecorder(L.Callback):
         if trainer.sanity_checking or pl_module.val_loss is None or trainer.state.fn != "fit":
             return
         step, val_loss = trainer.global_step, pl_module.val_loss
+        self._batch_end = self._step_end = time.perf_counter()  # the evaluation is no step's time
         metrics = {"step": step, "val_loss": val_loss}
         self.hooks.call("lmlab_validation_end", step=step, metrics=dict(metrics))
         if trainer.is_global_zero:
@@ -145,6 +178,10 @@ class RunRecorder(L.Callback):
             self.metrics.write({"step": trainer.global_step, "val_loss": val_loss, "final": True})
 
     def save_last(self, trainer) -> None:
+        if not _finite_weights(trainer.lightning_module.model):
+            # Never a checkpoint of a non-finite state: it would replace the last good one.
+            raise Diverged(f"the weights hold non-finite values at step {trainer.global_step}: training diverged "
+                           "(lower optimizer.lr, or set train.grad_clip); the last checkpoint is kept")
         self._save(trainer, "last.ckpt")
         peft = getattr(trainer.lightning_module, "peft", None)
         if peft is not None and trainer.is_global_zero:  # the adapter on its own, beside the checkpoint

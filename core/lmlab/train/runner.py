@@ -3,6 +3,7 @@
 import logging
 import math
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -14,10 +15,12 @@ import torch
 from lmlab import checkpoint, checks, pretrained, provenance, signals
 from lmlab.assemble import assemble
 from lmlab.api import RunInfo
+from lmlab.api.monitor import RunFailed
 from lmlab.config import TrainOptions
 from lmlab.errors import UserError
 from lmlab.hooks import Hooks
 from lmlab.train import adapters, allocator, memory
+from lmlab.train.control import Control
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
 from lmlab.rundir import atomic_write_bytes, write_json, write_toml
@@ -43,25 +46,32 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=(), ch
     """
     started = time.perf_counter()
     attempt = {"recorded": False}  # whether this attempt's summary.json has been written
+    control = Control(run_dir, variant.manifest, variant.grad_clip, rank=_rank(), is_main=is_main_process())
     try:
-        return _run(variant, run_dir, resume, extra_hooks, started, attempt, checked)
+        return _run(variant, run_dir, resume, extra_hooks, started, attempt, checked, control)
     except UserError:
         raise  # bad input, found before the run began: the message is the record, the folder untouched
     except BaseException as exc:
-        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit, signals.Terminated))
+        failure = exc
+        if control.failure is not None and not isinstance(exc, RunFailed):
+            # A monitor ended the run from another thread (the watchdog), by interrupting this one.
+            failure = RunFailed(control.failure)
+        interrupted = isinstance(failure, (KeyboardInterrupt, SystemExit, signals.Terminated))
         if not attempt["recorded"] and is_main_process() and (run_dir.is_dir() or not interrupted):
             # Failed (or stopped) before training started, so the recorder wrote nothing: say so here.
-            _write_early_summary(run_dir, exc, started)
+            _write_early_summary(run_dir, failure, started, variant, attempt.get("monitors", {}))
+        if failure is not exc:
+            raise failure from exc
         raise
 
 
-def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, attempt: dict,
-         checked=None) -> RunResult:
-    import lightning as L
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)) or 0)
 
-    from lmlab.train.checkpoint_io import RunFolderCheckpointIO
-    from lmlab.train.module import LMModule, TokenDataModule, check_windows_fit
-    from lmlab.train.recorder import RunRecorder
+
+def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, attempt: dict,
+         checked=None, control=None) -> RunResult:
+    import lightning as L
 
     _quiet_lightning()
     memory.reset_peak()
@@ -72,6 +82,38 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
     L.seed_everything(variant.seed, verbose=False)
     # What the manifest alone tells is wrong, before the data is read (done already by `lmlab run`).
     checked = checked if checked is not None else checks.run(variant)
+    control = control if control is not None else Control(run_dir, variant.manifest, variant.grad_clip)
+    hooks = Hooks([*_instances(checked.plugins), *extra_hooks])
+    hooks.call("lmlab_run_start", control=control)
+    try:
+        return _train(variant, run_dir, resume, started, attempt, checked, control, hooks)
+    except BaseException as exc:
+        if not attempt["recorded"]:  # failed before the summary was written: the monitors stop here
+            status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit, signals.Terminated)) \
+                and control.failure is None else "failed"
+            attempt["monitors"] = _run_end(hooks, status, control)  # for the early summary
+        raise
+
+
+def _instances(plugins: dict) -> list:
+    return [p for value in plugins.values() for p in (value if isinstance(value, list) else [value])]
+
+
+def _run_end(hooks, status: str, control) -> dict:
+    # A monitor failing to close must not hide why the run ended, nor lose the others' figures.
+    return hooks.collect_each("lmlab_run_end", lambda text: print(f"warning: {text}", file=sys.stderr),
+                              status=status, control=control)
+
+
+def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, checked, control,
+           hooks) -> RunResult:
+    import lightning as L
+
+    from lmlab.train.checkpoint_io import RunFolderCheckpointIO
+    from lmlab.train.module import LMModule, TokenDataModule, check_windows_fit
+    from lmlab.train.recorder import RunRecorder
+
+    cfg = variant.train
     # The plugins, the corpus and the tokenizer fitted on it, the vocabulary (the objective's special
     # tokens may grow it past the tokenizer's: mlm's [MASK]), the shape and the freshly initialised model.
     built = assemble(variant, data=True, plugins=dict(checked.plugins))
@@ -88,8 +130,8 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
     # base it recorded first (lmlab.train.adapters). None when the run trains the whole model.
     peft = adapters.apply_peft(plugins.get("peft"), model, variant.manifest, run_dir / "checkpoints",
                                resuming=ckpt_path is not None)
-    hooks = Hooks([*(p for value in plugins.values() for p in (value if isinstance(value, list) else [value])),
-                   *extra_hooks])
+    for plugin in _instances(plugins):  # any the assembly added
+        hooks.register(plugin)
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
     model.set_checkpointing(cfg.checkpointing)
 
@@ -105,12 +147,14 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
                                  replay=replay_corpus(variant, plugins["objective"]),
                                  replay_fraction=getattr(variant.options("data"), "replay", 0.0) or 0.0)
     module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg.compile,
-                      parallel=plugins["parallel"], peft=peft)
+                      parallel=plugins["parallel"], peft=peft, control=control, lr_factor=variant.lr_factor)
+    control.module = module
     recorder = RunRecorder(run_dir, cfg, cfg.batch_size * cfg.grad_accum * shape.block_size,
-                           None, hooks, resume_step=resume_step)
-    trainer = _trainer(cfg, run_dir, recorder, parallel, plugins["parallel"].trainer_precision(cfg))
+                           None, hooks, resume_step=resume_step, control=control)
+    trainer = _trainer(cfg, variant.grad_clip, run_dir, recorder, parallel, plugins["parallel"].trainer_precision(cfg))
     trainer.strategy.checkpoint_io = RunFolderCheckpointIO()  # staged in the run folder, not in $TMPDIR
     main = trainer.is_global_zero
+    control.rank, control.is_main = trainer.global_rank, main
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_toml(run_dir / "manifest.toml", resolved)
@@ -152,18 +196,28 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
         # parameter count is the whole model's, not one shard's). Every process takes part.
         plain = _gathered(trainer, module, built.build_model, main)
     except (KeyboardInterrupt, SystemExit, signals.Terminated) as exc:
-        summary = {"status": "interrupted", "steps": trainer.global_step, "signal": _signal_name(exc)}
-        raise
+        if control.failure is None:
+            summary = {"status": "interrupted", "steps": trainer.global_step, "signal": _signal_name(exc)}
+            raise
+        failure = RunFailed(control.failure)  # a monitor's thread ended the run by interrupting this one
+        summary = _failed(failure, variant, run_dir, trainer, module, main)
+        raise failure from exc
     except Exception as exc:
-        summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": trainer.global_step}
-        if main:
-            atomic_write_bytes(run_dir / "error.log", traceback.format_exc().encode())
+        summary = _failed(exc, variant, run_dir, trainer, module, main)
         raise
     finally:
         recorder.close()
+        summary.update({k: v for k, v in _run_end(hooks, summary["status"], control).items() if k not in summary})
+        if control.skipped_steps:
+            summary["skipped_steps"] = control.skipped_steps
+        if control.rollbacks:
+            summary["rollbacks"] = control.rollbacks
         counted = plain if plain is not None else model
+        # A memory monitor resets the process's peak counters per window; its own running peak covers the run.
+        monitored = summary.get("device_mem_peak_mb" if memory.on_cuda() else "host_rss_peak_mb") or 0.0
         summary.update(wall_s=time.perf_counter() - started, params=counted.num_params(),
-                       trainable_params=counted.num_params(trainable_only=True), peak_mem_mb=memory.peak_mb(),
+                       trainable_params=counted.num_params(trainable_only=True),
+                       peak_mem_mb=max(memory.peak_mb(), monitored),
                        plugins=used, environment=environment, **tokens.report(), **({"init": init} if init else {}))
         if main:
             write_json(run_dir / "summary.json", summary)
@@ -176,14 +230,27 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
     return RunResult(summary, module, tokens, plugins, main)
 
 
-def _trainer(cfg, run_dir: Path, recorder, parallel: dict, precision: dict):
+def _failed(exc: BaseException, variant, run_dir: Path, trainer, module, main: bool) -> dict:
+    """The summary of a run that failed in training, with its diagnosis; error.log gets the traceback."""
+    from lmlab.diagnose import diagnose
+
+    facts = {"step": trainer.global_step, "device": str(trainer.strategy.root_device),
+             "activation_bytes": module.activation_bytes, "lr": module.control.lr if module.control else None}
+    diagnosis = diagnose(exc, variant, run_dir, facts)
+    if main:
+        atomic_write_bytes(run_dir / "error.log", traceback.format_exc().encode())
+    return {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": trainer.global_step,
+            "diagnosis": diagnosis.as_dict()}
+
+
+def _trainer(cfg, grad_clip: float, run_dir: Path, recorder, parallel: dict, precision: dict):
     import lightning as L
 
     # Lightning's own logger, checkpointing, progress bar and summary are off: the recorder does
     # those jobs, cheaply per step and into the run folder's format.
     return L.Trainer(
         max_steps=cfg.max_steps, accumulate_grad_batches=cfg.grad_accum,
-        gradient_clip_val=cfg.grad_clip or None, val_check_interval=cfg.eval_every * cfg.grad_accum,
+        gradient_clip_val=grad_clip or None, val_check_interval=cfg.eval_every * cfg.grad_accum,
         check_val_every_n_epoch=None, limit_val_batches=cfg.eval_steps, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(run_dir), callbacks=[recorder], **precision, **parallel)
@@ -257,14 +324,18 @@ def _check_sample_prompt(cfg, objective, tokenizer) -> None:
                         key="train.sample_prompt")
 
 
-def _write_early_summary(run_dir: Path, exc: BaseException, started: float) -> None:
+def _write_early_summary(run_dir: Path, exc: BaseException, started: float, variant=None,
+                         monitors: dict | None = None) -> None:
+    from lmlab.diagnose import diagnose
+
     run_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(exc, (KeyboardInterrupt, SystemExit, signals.Terminated)):
         summary = {"status": "interrupted", "steps": 0, "signal": _signal_name(exc)}
     else:
-        summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": 0}
+        summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": 0,
+                   "diagnosis": diagnose(exc, variant, run_dir, {"step": 0}).as_dict()}
         atomic_write_bytes(run_dir / "error.log", traceback.format_exc().encode())
-    write_json(run_dir / "summary.json", {**summary, "wall_s": time.perf_counter() - started})
+    write_json(run_dir / "summary.json", {**(monitors or {}), **summary, "wall_s": time.perf_counter() - started})
 
 
 def _signal_name(exc: BaseException) -> str | None:

@@ -36,6 +36,7 @@ import json
 import math
 import os
 from pathlib import Path
+from datetime import timedelta
 from typing import Any, Literal
 
 from pydantic import PositiveInt, model_validator
@@ -179,7 +180,7 @@ class DeepSpeedZeRO(Parallel):
     over the ranks (DeepSpeed ZeRO, through a Lightning ``DeepSpeedStrategy``)."""
 
     Options = DeepSpeedOptions
-    api = ">=1.6,<2"  # LaunchOptions, trainer_precision
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s, trainer_precision
 
     def trainer_kwargs(self) -> dict[str, Any]:
         o = self.options
@@ -198,7 +199,7 @@ class DeepSpeedZeRO(Parallel):
                             key="parallel.accelerator")
         file_config = read_config_file(o.config) if o.config is not None else {}
         check_config(merge(base_config(o), file_config), o.config)
-        strategy = ZeROStrategy(config=base_config(o), file_config=file_config)
+        strategy = ZeROStrategy(config=base_config(o), file_config=file_config, timeout=timedelta(seconds=o.timeout_s))
         return {"strategy": strategy, "accelerator": kind, "devices": o.devices, "num_nodes": o.num_nodes}
 
     def trainer_precision(self, train) -> dict[str, Any]:

@@ -61,9 +61,11 @@ class FullyShardedDataParallel(Parallel):
     """Parameters, gradients and optimizer state sharded across processes; units gathered as needed."""
 
     Options = FSDPOptions
-    api = ">=1.6,<2"  # LaunchOptions
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s
 
     def trainer_kwargs(self) -> dict[str, Any]:
+        from datetime import timedelta
+
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         o = self.options
@@ -73,7 +75,7 @@ class FullyShardedDataParallel(Parallel):
             data_parallel_size=processes, tensor_parallel_size=1,
             # Gather on rank 0 into one file: lmlab generate and resumption read the single-device format.
             save_distributed_checkpoint=False,
-            process_group_backend=o.backend)
+            process_group_backend=o.backend, timeout=timedelta(seconds=o.timeout_s))
         return {"strategy": strategy, "accelerator": accelerator, "devices": devices, "num_nodes": o.num_nodes}
 
     def configure_model(self, model, device_mesh) -> None:

@@ -38,6 +38,7 @@ NeurIPS 2019, https://arxiv.org/abs/1811.06965; Narayanan et al., "Efficient Lar
 Model Training on GPU Clusters Using Megatron-LM", SC 2021, https://arxiv.org/abs/2104.04473.
 """
 
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -63,18 +64,22 @@ class PipelineParallel(Parallel):
     """Consecutive blocks on consecutive processes; micro-batches flow through (GPipe, 1F1B)."""
 
     Options = PipelineOptions
-    api = ">=1.6,<2"  # LaunchOptions, Plugin.check; configure_model, runs_forward_backward, clip_grad_norm, pipeline_stage
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s, Plugin.check; configure_model, runs_forward_backward, clip_grad_norm, pipeline_stage
     runs_forward_backward = True
 
     def __init__(self, options=None):
         super().__init__(options)
         self.stage = None  # this process's stage, once configure_model has split the model
 
+    def data_parallel_replicas(self) -> int:
+        return 1  # every stage reads the same batch
+
     def trainer_kwargs(self) -> dict[str, Any]:
         from lmlab_modelparallel.pipeline_strategy import PipelineStrategy
 
         accelerator, devices, stages = self.options.processes()
-        return {"strategy": PipelineStrategy(stages, process_group_backend=self.options.backend),
+        return {"strategy": PipelineStrategy(stages, process_group_backend=self.options.backend,
+                                                timeout=timedelta(seconds=self.options.timeout_s)),
                 "accelerator": accelerator, "devices": devices, "num_nodes": self.options.num_nodes}
 
     def bounds(self, n_layers: int, stages: int) -> list[int]:

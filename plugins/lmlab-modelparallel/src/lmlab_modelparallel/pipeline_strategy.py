@@ -18,9 +18,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 class PipelineStrategy(ModelParallelStrategy):
     """All processes form one pipeline: mesh ``(data_parallel = 1, pipeline_parallel = world size)``."""
 
-    def __init__(self, stages: int, process_group_backend: str | None = None):
+    def __init__(self, stages: int, process_group_backend: str | None = None, timeout=None):
+        kwargs = {"timeout": timeout} if timeout is not None else {}
         super().__init__(data_parallel_size=1, tensor_parallel_size=stages, save_distributed_checkpoint=False,
-                         process_group_backend=process_group_backend)
+                         process_group_backend=process_group_backend, **kwargs)
 
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -51,7 +51,7 @@ class TensorParallel(Parallel):
     """Layers split across devices by heads and hidden units (Megatron-LM), FSDP across the rest."""
 
     Options = TensorParallelOptions
-    api = ">=1.6,<2"  # LaunchOptions, Plugin.check; configure_model, clip_grad_norm, tensor_parallel_plan
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s, Plugin.check; configure_model, clip_grad_norm, tensor_parallel_plan
 
     def sizes(self) -> tuple[str, int, int, int]:
         """(accelerator, processes per node, data-parallel size, tensor-parallel size)."""
@@ -62,14 +62,21 @@ class TensorParallel(Parallel):
                             key="parallel.tensor_parallel_size")
         return accelerator, devices, world // tp, tp
 
+    def data_parallel_replicas(self) -> int:
+        per_node, n = self.options.planned_processes(None)
+        return max(1, n // (self.options.tensor_parallel_size or per_node))
+
     def trainer_kwargs(self) -> dict[str, Any]:
+        from datetime import timedelta
+
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         accelerator, devices, dp, tp = self.sizes()
         strategy = ModelParallelStrategy(
             data_parallel_size=dp, tensor_parallel_size=tp,
             # Gathered on rank 0 into one file: the single-device format lmlab generate reads.
-            save_distributed_checkpoint=False, process_group_backend=self.options.backend)
+            save_distributed_checkpoint=False, process_group_backend=self.options.backend,
+            timeout=timedelta(seconds=self.options.timeout_s))
         return {"strategy": strategy, "accelerator": accelerator, "devices": devices,
                 "num_nodes": self.options.num_nodes}
 

@@ -38,9 +38,11 @@ class DistributedDataParallel(Parallel):
     """One model replica per device; gradients all-reduced after each backward pass."""
 
     Options = DDPOptions
-    api = ">=1.6,<2"  # LaunchOptions
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s
 
     def trainer_kwargs(self) -> dict[str, Any]:
+        from datetime import timedelta
+
         from lightning.pytorch.strategies import DDPStrategy
 
         o = self.options
@@ -48,6 +50,7 @@ class DistributedDataParallel(Parallel):
         strategy = DDPStrategy(
             process_group_backend=o.backend,  # None: Lightning picks nccl for CUDA, gloo otherwise
             start_method=o.start_method,
+            timeout=timedelta(seconds=o.timeout_s),
             # The rest are forwarded to torch.nn.parallel.DistributedDataParallel.
             find_unused_parameters=o.find_unused_parameters,
             static_graph=o.static_graph,

@@ -1,0 +1,284 @@
+"""Failures that explain themselves: an exception that ended a run, turned into a Diagnosis (kind,
+cause, evidence, fixes computed for this run), the seeds' crash table as code.
+
+Kinds: out-of-memory (device or host), collective-timeout, non-finite, hang, and error for
+anything else. ``summary.json`` records the result under ``diagnosis``; ``lmlab run`` prints it
+under the error line and ``lmlab doctor`` prints it again later.
+"""
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+from lmlab.api.monitor import Diagnosis, Fix, RunFailed
+
+_OOM = re.compile(r"out of memory|can't allocate memory|cannot allocate memory|DefaultCPUAllocator", re.I)
+_TIMEOUT = re.compile(r"timed out|timeout|watchdog caught collective|NCCL|Gloo|ProcessGroup|"
+                      r"Connection (closed|reset) by peer", re.I)
+#: Environment settings worth checking when a collective times out, and why.
+COLLECTIVE_SETTINGS = (
+    ("NCCL_DEBUG=INFO", "NCCL logs each rank's transport and the collective it waits in"),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "a timed-out NCCL collective aborts the process instead of hanging"),
+    ("TORCH_DISTRIBUTED_DEBUG=DETAIL", "torch checks that every rank calls the same collectives in order"),
+    ("NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME", "the network interface the ranks reach each other on"),
+    ("MASTER_ADDR / MASTER_PORT", "where rank 0 listens (every node must reach it)"),
+)
+#: Where ranks record the step they reached, for naming the late one (``heartbeat``).
+HEARTBEAT_DIR = ".ranks"
+
+
+def diagnose(exc: BaseException, variant=None, run_dir: Path | None = None, facts: dict | None = None) -> Diagnosis:
+    """What ended the run. ``facts``: what the run knew when it failed (``step``, ``lr``,
+    ``activation_bytes``, ``device``, ``first_nonfinite``)."""
+    facts = facts or {}
+    manifest = variant.manifest if variant is not None else {}
+    if isinstance(exc, RunFailed):
+        given = exc.diagnosis
+        if given.kind != "non-finite":
+            return given
+        # A monitor saw it first (nan-guard): the run's learning rate, clipping, precision and fixes join.
+        usual = non_finite(given.cause, manifest, facts)
+        evidence = given.evidence + [line for line in usual.evidence if line not in given.evidence
+                                     and not (line.startswith("first non-finite") and "first non-finite" in
+                                              " ".join(given.evidence))]
+        return Diagnosis(given.kind, given.cause, evidence=evidence, fixes=given.fixes or usual.fixes)
+    text = f"{type(exc).__name__}: {exc}"
+    if _is_oom(exc):
+        return out_of_memory(exc, variant, facts)
+    if type(exc).__name__ == "Diverged" or "non-finite" in text or re.search(r"\bnan\b", str(exc), re.I):
+        return non_finite(str(exc), manifest, facts)
+    if _is_collective_timeout(exc):
+        return collective_timeout(exc, manifest, run_dir)
+    return Diagnosis("error", text.splitlines()[0], evidence=[f"step {facts['step']}"] if "step" in facts else [],
+                     fixes=[Fix("read the traceback in the run folder's error.log")])
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) or
+               (isinstance(e, RuntimeError) and _OOM.search(str(e))) for e in _chain(exc))
+
+
+def _is_collective_timeout(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    backend_errors = tuple(c for c in (getattr(dist, "DistBackendError", None), getattr(dist, "DistError", None)) if c)
+    return any((backend_errors and isinstance(e, backend_errors)) or
+               (isinstance(e, (RuntimeError, TimeoutError)) and _TIMEOUT.search(str(e))) for e in _chain(exc))
+
+
+def nonfinite_fixes(manifest: dict, lr: float | None) -> list[Fix]:
+    """What to change after a non-finite loss or gradient, most likely first."""
+    train = manifest.get("train", {})
+    fixes = []
+    peak = manifest.get("resolved", {}).get("lr") or manifest.get("optimizer", {}).get("lr")
+    if isinstance(peak, (int, float)):
+        fixes.append(Fix(f"a third of the peak learning rate ({peak:g}): the usual cause is a rate too high",
+                         "optimizer.lr", float(f"{peak / 3:.3g}")))
+    if not train.get("grad_clip"):
+        fixes.append(Fix("clip the gradient norm (0.1·sqrt(n_layers)): one bad batch cannot then blow up the weights",
+                         "train.grad_clip", "auto"))
+    if train.get("precision") == "16-mixed":
+        fixes.append(Fix("bfloat16 has float32's exponent range, so activations and gradients do not overflow",
+                         "train.precision", "bf16-mixed"))
+    uses = manifest.get("monitor", {}).get("use", [])
+    if "nan-guard" not in uses:
+        fixes.append(Fix("skip non-finite steps and roll back after repeated ones instead of failing",
+                         "monitor.use", [*uses, "nan-guard"]))
+    return fixes
+
+
+def non_finite(message: str, manifest: dict, facts: dict) -> Diagnosis:
+    train = manifest.get("train", {})
+    evidence = []
+    if facts.get("first_nonfinite"):
+        evidence.append(f"first non-finite: {facts['first_nonfinite']}")
+    if facts.get("lr") is not None and math.isfinite(facts["lr"]):
+        evidence.append(f"learning rate then: {facts['lr']:.3g}")
+    clip = manifest.get("resolved", {}).get("grad_clip", train.get("grad_clip"))
+    evidence.append(f"gradient clipping: {'off' if not clip else f'on, at {clip:g}'}")
+    evidence.append(f"precision: {train.get('precision', '32-true')}")
+    return Diagnosis("non-finite", message.splitlines()[0], evidence=evidence,
+                     fixes=nonfinite_fixes(manifest, facts.get("lr")))
+
+
+def out_of_memory(exc: BaseException, variant, facts: dict) -> Diagnosis:
+    device = facts.get("device", "cpu")
+    where = "device" if device.startswith("cuda") else "host"
+    evidence = [str(exc).splitlines()[0][:300]]
+    if facts.get("step") is not None:
+        evidence.append(f"at step {facts['step']}")
+    fixes = memory_fixes(variant, facts) if variant is not None else []
+    return Diagnosis("out-of-memory", f"the {where} ran out of memory ({device})", evidence=evidence, fixes=fixes)
+
+
+def memory_fixes(variant, facts: dict) -> list[Fix]:
+    """Fixes computed for this run: an activation-checkpointing policy and what it saves (from the
+    planner), a micro-batch × grad_accum split that keeps the global batch, and a layout that fits."""
+    train = variant.train
+    fixes = []
+    saved = _planned_activations(variant)
+    if train.checkpointing == "none":
+        if saved is not None:
+            freed = saved.get("none", 0) - saved.get("full", 0)
+            fixes.append(Fix(f"recompute each block in backward: activations {_mb(saved.get('none'))} → "
+                             f"{_mb(saved.get('full'))} per micro-batch (saves {_mb(freed)}), at about a third "
+                             "more compute", "train.checkpointing", "full"))
+        else:
+            fixes.append(Fix("recompute each block in backward (less activation memory, more compute)",
+                             "train.checkpointing", "full"))
+    if train.batch_size > 1:
+        half = train.batch_size // 2
+        accum = train.grad_accum * train.batch_size // half if train.batch_size % half == 0 else train.grad_accum * 2
+        act = saved.get(train.checkpointing) if saved else facts.get("activation_bytes")
+        note = f" (activations about {_mb(act * half / train.batch_size)} instead of {_mb(act)})" if act else ""
+        fixes.append(Fix(f"half the micro-batch and twice the accumulation, the same global batch of "
+                         f"{train.batch_size * train.grad_accum} sequences{note}; set both "
+                         f"train.batch_size = {half} and train.grad_accum = {accum}", "train.batch_size", half))
+    layout = _fitting_layout(variant, facts)
+    if layout is not None:
+        fixes.append(layout)
+    return fixes
+
+
+def _planned_activations(variant) -> dict | None:
+    """Activation bytes per micro-batch under each checkpointing policy, from the planner; None when
+    the planner cannot measure this variant."""
+    import dataclasses
+
+    from lmlab.plan.measure import plan_variant
+
+    out = {}
+    try:
+        for policy in ("none", "full"):
+            train = variant.train.model_copy(update={"checkpointing": policy})
+            out[policy] = plan_variant(dataclasses.replace(variant, train=train)).facts.activation_bytes
+    except Exception:  # noqa: BLE001 - a fix without figures beats no diagnosis
+        return None
+    return out
+
+
+def _fitting_layout(variant, facts: dict) -> Fix | None:
+    """The first ZeRO stage (then FSDP) that the planner says fits this machine's GPUs."""
+    import dataclasses
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from lmlab import discovery
+    from lmlab.plan.measure import plan_variant
+
+    capacity = torch.cuda.get_device_properties(0).total_memory
+    count = torch.cuda.device_count()
+    for name, options in (("deepspeed", {"stage": 1}), ("deepspeed", {"stage": 2}), ("deepspeed", {"stage": 3}),
+                          ("fsdp", {})):
+        try:
+            cls = discovery.load("parallel", name, key="parallel.use")
+            candidate = dataclasses.replace(variant, slots={**variant.slots}).with_plugin(
+                "parallel", cls, cls.Options(devices=count, **options))
+            plan = plan_variant(candidate, world_size=count)
+        except Exception:  # noqa: BLE001 - not installed, or not plannable: try the next
+            continue
+        if plan.device.total <= 0.9 * capacity:
+            what = f"ZeRO stage {options['stage']}" if name == "deepspeed" else "FSDP"
+            return Fix(f"{what} over {count} GPUs: the planner puts the peak at {_mb(plan.device.total)} of "
+                       f"{_mb(capacity)} per device (lmlab plan says more)", "parallel.use", name)
+    return None
+
+
+def _mb(nbytes) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:,.0f} MB"
+
+
+def collective_timeout(exc: BaseException, manifest: dict, run_dir: Path | None) -> Diagnosis:
+    first = str(exc).splitlines()[0][:300]
+    collective = re.search(r"(all_?reduce|allgather|all_gather|broadcast|reduce_scatter|barrier|recv|send)",
+                           str(exc), re.I)
+    evidence = [first]
+    if collective:
+        evidence.append(f"collective: {collective.group(1)}")
+    late = late_ranks(run_dir) if run_dir is not None else None
+    cause = "a collective operation timed out: some process did not join it in time"
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
+    if joined:
+        cause = (f"at start-up only {joined.group(1)} of {joined.group(2)} processes joined the process group in "
+                 "time: the others did not start, or cannot reach rank 0")
+    elif late:
+        ranks, detail = late
+        cause = f"a collective operation timed out waiting for rank {', '.join(map(str, ranks))}"
+        evidence.extend(detail)
+    parallel = manifest.get("parallel", {})
+    fixes = [Fix(f"{setting}: {why}") for setting, why in COLLECTIVE_SETTINGS]
+    if "timeout_s" in parallel:
+        fixes.insert(0, Fix("wait longer, if the late rank is slow rather than stuck (a long first step, "
+                            "a slow file system)", "parallel.timeout_s", max(60.0, 4 * float(parallel["timeout_s"]))))
+    return Diagnosis("collective-timeout", cause, evidence=evidence, fixes=fixes)
+
+
+def heartbeat(run_dir: Path, rank: int, step: int) -> None:
+    """Record that ``rank`` has reached ``step`` (about to join its collectives)."""
+    folder = run_dir / HEARTBEAT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".rank{rank}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "step": step, "time": time.time()}))
+    tmp.replace(folder / f"rank{rank}.json")
+
+
+def late_ranks(run_dir: Path) -> tuple[list[int], list[str]] | None:
+    """The ranks that reached the fewest steps, with each rank's last record; None without records."""
+    folder = run_dir / HEARTBEAT_DIR
+    records = []
+    for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else ():
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if len(records) < 2:
+        return None
+    lowest = min(r["step"] for r in records)
+    if all(r["step"] == lowest for r in records):
+        return None
+    now = time.time()
+    detail = [f"rank {r['rank']} last reached step {r['step']} ({now - r['time']:.0f} s before the failure)"
+              for r in sorted(records, key=lambda r: r["rank"])]
+    return sorted(r["rank"] for r in records if r["step"] == lowest), detail
+
+
+def hang(stacks_file: Path, seconds: float, frames: list[str]) -> Diagnosis:
+    """What the watchdog says when no step completed for ``seconds``."""
+    evidence = [f"no step completed for {seconds:.0f} s", *frames[:6], f"every thread's stack: {stacks_file}"]
+    return Diagnosis("hang", f"the run stopped making progress for {seconds:.0f} s", evidence=evidence,
+                     fixes=[Fix("read the main thread's stack: the innermost lmlab or plugin frame is where it waits"),
+                            Fix("a data source or filter that reads from the network: give it a timeout"),
+                            Fix("in a multi-process run, a rank waiting in a collective: see which rank is behind "
+                                "(NCCL_DEBUG=INFO)")])
+
+
+def render(diagnosis: dict) -> str:
+    """The diagnosis as ``lmlab run`` and ``lmlab doctor`` print it."""
+    lines = [f"diagnosis: {diagnosis['kind']}: {diagnosis['cause']}"]
+    lines += [f"  evidence: {line}" for line in diagnosis.get("evidence", [])]
+    for fix in diagnosis.get("fixes", []):
+        where = f" (--set {fix['key']}={_toml(fix['value'])})" if fix.get("key") else ""
+        lines.append(f"  fix: {fix['text']}{where}")
+    return "\n".join(lines)
+
+
+def _toml(value) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ",".join(_toml(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)

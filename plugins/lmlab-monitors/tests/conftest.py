@@ -1,0 +1,58 @@
+"""A tiny run to watch: 2 layers of width 32 on the first 60 kB of tinyshakespeare, a few steps."""
+
+from pathlib import Path
+
+import pytest
+
+CORPUS = Path(__file__).resolve().parents[3] / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "lmlab-cache"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+@pytest.fixture
+def tiny_manifest(tmp_path):
+    """Writes a tiny manifest with ``extra`` TOML appended (monitor tables, [train] overrides go in
+    ``train``) and returns its path."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text(CORPUS.read_text()[:60_000])
+
+    def write(extra: str = "", steps: int = 6, train: str = "", name: str = "tiny.toml",
+              checkpoint_every: int = 3) -> Path:
+        path = tmp_path / name
+        path.write_text(f"""
+name = "tiny"
+seed = 3
+
+[data]
+use = "text-file"
+path = "{corpus.name}"
+
+[model]
+n_layers = 2
+d_model = 32
+n_heads = 4
+block_size = 16
+
+[train]
+max_steps = {steps}
+batch_size = 4
+warmup_steps = 2
+eval_every = 3
+eval_steps = 2
+checkpoint_every = {checkpoint_every}
+log_every = 2
+sample_tokens = 0
+{train}
+
+[tracker]
+use = "none"
+{extra}
+""")
+        return path
+
+    return write

@@ -1,0 +1,142 @@
+"""Failures that explain themselves: out of memory, a collective timeout naming the late rank, a
+non-finite loss without nan-guard, and ``lmlab doctor`` on failed and finished runs."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from lmlab import manifest
+from lmlab.api import hookimpl
+from lmlab.cli.main import main
+from lmlab.diagnose import diagnose, late_ranks, heartbeat
+from lmlab.train.runner import run_variant
+from support import run_cli
+
+
+class OutOfMemoryAt:
+    """Raises what the CUDA caching allocator raises when it cannot allocate, at step ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl
+    def lmlab_train_batch_end(self, step):
+        if step == self.step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total "
+                                         "capacity; 78.2 GiB already allocated)")
+
+
+def test_out_of_memory_is_diagnosed_with_fixes_computed_for_the_run(tiny_manifest, tmp_path):
+    (variant,) = manifest.load(tiny_manifest())
+    run_dir = tmp_path / "run"
+    with pytest.raises(torch.OutOfMemoryError):
+        run_variant(variant, run_dir, extra_hooks=[OutOfMemoryAt(2)])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    diagnosis = summary["diagnosis"]
+    assert diagnosis["kind"] == "out-of-memory"
+    assert "out of memory" in diagnosis["cause"] and "at step 2" in diagnosis["evidence"]
+    fixes = {fix["key"]: fix for fix in diagnosis["fixes"] if fix["key"]}
+    # Activation checkpointing, with the planner's figures for this model.
+    assert fixes["train.checkpointing"]["value"] == "full"
+    assert "saves" in fixes["train.checkpointing"]["text"] and " MB" in fixes["train.checkpointing"]["text"]
+    # Half the micro-batch, twice the accumulation: the same global batch of 4 sequences.
+    assert fixes["train.batch_size"]["value"] == 2
+    assert "train.grad_accum = 2" in fixes["train.batch_size"]["text"]
+
+
+def test_out_of_memory_on_the_host_is_recognised_from_the_allocator_message():
+    exc = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 274877906944 bytes.")
+    diagnosis = diagnose(exc, facts={"device": "cpu"})
+    assert diagnosis.kind == "out-of-memory" and "host" in diagnosis.cause
+
+
+def test_a_diverged_run_without_nan_guard_says_why_and_what_to_change(tiny_manifest, tmp_path, capsys):
+    path = tiny_manifest('\n[optimizer]\nuse = "adamw"\nlr = 1e6\n')
+    path.write_text(path.read_text().replace("max_steps = 6", "max_steps = 6\ngrad_clip = 0"))
+    assert main(["run", str(path), "--out", str(tmp_path / "runs")]) == 1
+    err = capsys.readouterr().err
+    assert "diagnosis: non-finite" in err
+    summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
+    diagnosis = summary["diagnosis"]
+    assert diagnosis["kind"] == "non-finite"
+    assert "gradient clipping: off" in diagnosis["evidence"]
+    keys = [fix["key"] for fix in diagnosis["fixes"]]
+    assert keys[:2] == ["optimizer.lr", "train.grad_clip"] and "monitor.use" in keys
+    assert diagnosis["fixes"][0]["value"] == pytest.approx(1e6 / 3, rel=1e-2)
+
+    assert main(["doctor", str(tmp_path / "runs" / "default")]) == 0
+    out = capsys.readouterr().out
+    assert "failed" in out and "diagnosis: non-finite" in out and "--set optimizer.lr=" in out and "health:" in out
+
+
+def test_doctor_on_a_finished_run_judges_its_health(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 400}))
+    lines = [{"step": 10 * i, "train_loss": 2.0 + (1.0 if i % 2 else -1.0), "grad_norm": 150.0 + i,
+              "data_wait": 0.7, "mfu": 0.31} for i in range(1, 41)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["doctor", str(run_dir), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    verdicts = {f["name"]: f for f in report["health"]}
+    assert verdicts["gradient norm"]["verdict"] == "warning" and "too large" in verdicts["gradient norm"]["detail"]
+    assert verdicts["loss smoothness"]["verdict"] == "warning" and "1.000" in verdicts["loss smoothness"]["detail"]
+    assert verdicts["data wait"]["verdict"] == "warning" and "70%" in verdicts["data wait"]["detail"]
+    assert verdicts["MFU"]["detail"].startswith("median 31.0%")
+
+
+def test_doctor_refuses_a_folder_that_is_no_run(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_a_process_that_never_joined_is_a_start_up_timeout():
+    exc = RuntimeError("DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined.")
+    diagnosis = diagnose(exc, facts={"device": "cpu"})
+    assert diagnosis.kind == "collective-timeout" and "1 of 2 processes" in diagnosis.cause
+
+
+def test_late_rank_is_the_one_that_reached_the_fewest_steps(tmp_path):
+    heartbeat(tmp_path, 0, 7)
+    heartbeat(tmp_path, 1, 6)
+    heartbeat(tmp_path, 2, 7)
+    ranks, detail = late_ranks(tmp_path)
+    assert ranks == [1] and "rank 1 last reached step 6" in detail[1]
+
+
+STALL = """
+import os, time
+from lmlab.train import recorder
+
+_start = recorder.RunRecorder.on_train_batch_start
+
+def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    if trainer.global_rank == 1 and trainer.global_step == 2:
+        time.sleep(75)  # rank 1 stalls before step 3, as a rank stuck reading its data would
+    return _start(self, trainer, pl_module, batch, batch_idx)
+
+recorder.RunRecorder.on_train_batch_start = on_train_batch_start
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_names_the_late_rank(tiny_manifest, tmp_path):
+    # A sitecustomize module reaches every process the run starts (the DDP launcher re-runs the
+    # command for rank 1), and only for this test.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(STALL))
+    path = tiny_manifest('\n[parallel]\nuse = "ddp"\ndevices = 2\naccelerator = "cpu"\ntimeout_s = 30\n', steps=6)
+    done = run_cli("run", str(path), "--out", str(tmp_path / "runs"), env={"PYTHONPATH": str(site)}, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
+    diagnosis = summary["diagnosis"]
+    assert diagnosis["kind"] == "collective-timeout", diagnosis
+    assert "rank 1" in diagnosis["cause"]
+    assert any("rank 1 last reached step 1" in line for line in diagnosis["evidence"])
+    assert any(fix["key"] == "parallel.timeout_s" for fix in diagnosis["fixes"])
+    assert "diagnosis: collective-timeout" in done.stderr
