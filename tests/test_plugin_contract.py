@@ -36,7 +36,7 @@ class MisspeltUndecorated(Plugin):
 class FarFromAnyHook(Plugin):
     slot = "monitor"
 
-    def lmlab_banana(self):
+    def lmlab_xylophone_quartz(self):
         return None
 
 
@@ -72,7 +72,7 @@ def test_a_misspelt_hook_is_refused_with_the_close_name(cls):
 
 
 def test_a_method_named_like_no_hook_lists_the_hooks():
-    with pytest.raises(UserError, match="'lmlab_banana' named like a hook.*the hooks are lmlab_before_optimizer_step"):
+    with pytest.raises(UserError, match="'lmlab_xylophone_quartz' named like a hook.*the hooks are lmlab_before_optimizer_step"):
         loaded(FarFromAnyHook)
 
 

@@ -115,12 +115,18 @@ def non_finite(message: str, manifest: dict, facts: dict) -> Diagnosis:
 
 def out_of_memory(exc: BaseException, variant, facts: dict) -> Diagnosis:
     device = facts.get("device", "cpu")
-    where = "device" if device.startswith("cuda") else "host"
+    on_gpu = device.startswith("cuda") or "CUDA" in str(exc)
+    where = "device" if on_gpu else "host"
     evidence = [str(exc).splitlines()[0][:300]]
     if facts.get("step") is not None:
-        evidence.append(f"at step {facts['step']}")
+        evidence.append(f"in step {facts['step'] + 1} ({facts['step']} completed)")
+    elif facts.get("stage"):
+        evidence.append(facts["stage"])
+    facts = {**facts, "capacity_bytes": facts.get("capacity_bytes") or capacity_bytes("cuda" if on_gpu else "cpu")}
     fixes = memory_fixes(variant, facts) if variant is not None else []
-    return Diagnosis("out-of-memory", f"the {where} ran out of memory ({device})", evidence=evidence, fixes=fixes)
+    if facts["capacity_bytes"]:
+        evidence.append(f"{where} memory: {_mb(facts['capacity_bytes'])}")
+    return Diagnosis("out-of-memory", f"the {where} ran out of memory", evidence=evidence, fixes=fixes)
 
 
 def memory_fixes(variant, facts: dict) -> list[Fix]:
@@ -139,17 +145,49 @@ def memory_fixes(variant, facts: dict) -> list[Fix]:
             fixes.append(Fix("recompute each block in backward (less activation memory, more compute)",
                              "train.checkpointing", "full"))
     if train.batch_size > 1:
-        half = train.batch_size // 2
-        accum = train.grad_accum * train.batch_size // half if train.batch_size % half == 0 else train.grad_accum * 2
         act = saved.get(train.checkpointing) if saved else facts.get("activation_bytes")
-        note = f" (activations about {_mb(act * half / train.batch_size)} instead of {_mb(act)})" if act else ""
-        fixes.append(Fix(f"half the micro-batch and twice the accumulation, the same global batch of "
+        k = _split(train.batch_size, act, facts.get("capacity_bytes"))
+        micro = train.batch_size // k
+        note = f" (activations about {_mb(act / k)} instead of {_mb(act)})" if act else ""
+        fixes.append(Fix(f"a micro-batch {k}× smaller and {k}× the accumulation, the same global batch of "
                          f"{train.batch_size * train.grad_accum} sequences{note}; set both "
-                         f"train.batch_size = {half} and train.grad_accum = {accum}", "train.batch_size", half))
+                         f"train.batch_size = {micro} and train.grad_accum = {train.grad_accum * k}",
+                         "train.batch_size", micro))
     layout = _fitting_layout(variant, facts)
     if layout is not None:
         fixes.append(layout)
     return fixes
+
+
+def _split(batch: int, activations: float | None, capacity: float | None) -> int:
+    """The smallest divisor k of ``batch`` (2 at least) that brings one micro-batch's activations
+    under a quarter of the memory there is (what is left for weights, states and the rest)."""
+    divisors = [k for k in range(2, batch + 1) if batch % k == 0]
+    if not divisors:
+        return 1
+    for k in divisors:
+        if not activations or not capacity or activations / k <= capacity / 4:
+            return k
+    return divisors[-1]
+
+
+def capacity_bytes(device: str) -> float | None:
+    """The memory the run had: the GPU's, or the host's (its address-space limit when one is set)."""
+    import resource
+
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    limits = [resource.getrlimit(resource.RLIMIT_AS)[0]]
+    try:
+        import os
+
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        pass
+    finite = [x for x in limits if x and x > 0 and x != resource.RLIM_INFINITY]
+    return float(min(finite)) if finite else None
 
 
 def _planned_activations(variant) -> dict | None:
@@ -199,16 +237,17 @@ def _fitting_layout(variant, facts: dict) -> Fix | None:
 
 
 def _mb(nbytes) -> str:
-    return "?" if nbytes is None else f"{nbytes / 2**20:,.0f} MB"
+    from lmlab.plan.arithmetic import human
+
+    return "?" if nbytes is None else human(nbytes)
 
 
 def collective_timeout(exc: BaseException, manifest: dict, run_dir: Path | None) -> Diagnosis:
     first = str(exc).splitlines()[0][:300]
-    collective = re.search(r"(all_?reduce|allgather|all_gather|broadcast|reduce_scatter|barrier|recv|send)",
-                           str(exc), re.I)
     evidence = [first]
+    collective = _which_collective(exc)
     if collective:
-        evidence.append(f"collective: {collective.group(1)}")
+        evidence.append(f"collective: {collective}")
     late = late_ranks(run_dir) if run_dir is not None else None
     cause = "a collective operation timed out: some process did not join it in time"
     joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
@@ -225,6 +264,29 @@ def collective_timeout(exc: BaseException, manifest: dict, run_dir: Path | None)
         fixes.insert(0, Fix("wait longer, if the late rank is slow rather than stuck (a long first step, "
                             "a slow file system)", "parallel.timeout_s", max(60.0, 4 * float(parallel["timeout_s"]))))
     return Diagnosis("collective-timeout", cause, evidence=evidence, fixes=fixes)
+
+
+#: Python frames a collective is called from → what it was (innermost match wins).
+_COLLECTIVE_FRAMES = (("barrier", "a barrier"), ("all_gather", "an all-gather"), ("broadcast", "a broadcast"),
+                      ("reduce_scatter", "a reduce-scatter"), ("all_reduce", "an all-reduce"),
+                      ("reduce", "a reduction (the strategy's reduce)"), ("save_checkpoint", "the checkpoint's gather"),
+                      ("backward", "the gradient all-reduce of the backward pass"),
+                      ("setup_environment", "the process group's start-up"))
+
+
+def _which_collective(exc: BaseException) -> str | None:
+    """What was in flight, from the innermost Python frame that names a collective (the backend's
+    message says only recv/send for most), else from the message."""
+    import traceback
+
+    for e in _chain(exc):
+        frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
+        for frame in reversed(frames):
+            for needle, what in _COLLECTIVE_FRAMES:
+                if needle in frame.name:
+                    return f"{what} ({frame.name} at {Path(frame.filename).name}:{frame.lineno})"
+    named = re.search(r"(all_?reduce|allgather|all_gather|broadcast|reduce_scatter|barrier)", str(exc), re.I)
+    return named.group(1) if named else None
 
 
 def heartbeat(run_dir: Path, rank: int, step: int) -> None:

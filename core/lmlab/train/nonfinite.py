@@ -62,6 +62,9 @@ def locate(model: torch.nn.Module, objective, batch, context=None) -> str | None
             return f"{found['forward']} (forward output)"
         if found["backward"] is not None:
             return f"{found['backward']} (gradient)"
+        for name, p in model.named_parameters():  # finite activations, yet a weight's gradient overflows
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return f"{name} (parameter gradient)"
         return None if bool(torch.isfinite(loss)) else "the loss"
     finally:
         for handle in handles:

@@ -333,7 +333,7 @@ def _write_early_summary(run_dir: Path, exc: BaseException, started: float, vari
         summary = {"status": "interrupted", "steps": 0, "signal": _signal_name(exc)}
     else:
         summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "steps": 0,
-                   "diagnosis": diagnose(exc, variant, run_dir, {"step": 0}).as_dict()}
+                   "diagnosis": diagnose(exc, variant, run_dir, {"stage": "before training"}).as_dict()}
         atomic_write_bytes(run_dir / "error.log", traceback.format_exc().encode())
     write_json(run_dir / "summary.json", {**(monitors or {}), **summary, "wall_s": time.perf_counter() - started})
 

@@ -74,6 +74,10 @@ class NanGuard(Monitor):
         where = f", first at {module}" if module else ""
         reason = f"step {step}: {what}{where}"
         evidence = [f"step {step}: {what}"] + ([f"first non-finite: {module}"] if module else [])
+        if module is None and self.options.locate and self.in_a_row == 1 and loss is not None \
+                and bool(torch.isfinite(loss)):
+            evidence.append("every output and gradient reruns finite: the gradients are finite but so large "
+                            "that their norm overflows float32")
         if self.options.action == "stop":
             raise RunFailed(Diagnosis("non-finite", f"{what} at step {step}{where}", evidence=evidence))
         control.skip_step(reason)
