@@ -107,7 +107,7 @@ def test_the_built_trainer_autocasts_bf16_on_the_cpu_without_a_scaler(tmp_path):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     cfg = TrainOptions(precision="bf16-mixed")
-    trainer = _trainer(cfg, tmp_path, lightning.Callback(), {"strategy": "auto", "accelerator": "cpu", "devices": 1},
+    trainer = _trainer(cfg, cfg.grad_clip, tmp_path, lightning.Callback(), {"strategy": "auto", "accelerator": "cpu", "devices": 1},
                        parallel("single", accelerator="cpu").trainer_precision(cfg))
     plugin = trainer.precision_plugin
     assert isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed" and plugin.scaler is None

@@ -50,7 +50,7 @@ def diagnose(exc: BaseException, variant=None, run_dir: Path | None = None, fact
     if type(exc).__name__ == "Diverged" or "non-finite" in text or re.search(r"\bnan\b", str(exc), re.I):
         return non_finite(str(exc), manifest, facts)
     if _is_collective_timeout(exc):
-        return collective_timeout(exc, manifest, run_dir)
+        return collective_timeout(exc, manifest, run_dir, facts.get("late_ranks"))
     return Diagnosis("error", text.splitlines()[0], evidence=[f"step {facts['step']}"] if "step" in facts else [],
                      fixes=[Fix("read the traceback in the run folder's error.log")])
 
@@ -242,13 +242,16 @@ def _mb(nbytes) -> str:
     return "?" if nbytes is None else human(nbytes)
 
 
-def collective_timeout(exc: BaseException, manifest: dict, run_dir: Path | None) -> Diagnosis:
+def collective_timeout(exc: BaseException, manifest: dict, run_dir: Path | None, late=None) -> Diagnosis:
+    """``late``: :func:`late_ranks` as read when the failure happened (before the process group was
+    torn down, which may wait for the late rank); read now when not given."""
     first = str(exc).splitlines()[0][:300]
     evidence = [first]
     collective = _which_collective(exc)
     if collective:
         evidence.append(f"collective: {collective}")
-    late = late_ranks(run_dir) if run_dir is not None else None
+    if late is None and run_dir is not None:
+        late = late_ranks(run_dir)
     cause = "a collective operation timed out: some process did not join it in time"
     joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
     if joined:
@@ -290,7 +293,8 @@ def _which_collective(exc: BaseException) -> str | None:
 
 
 def heartbeat(run_dir: Path, rank: int, step: int) -> None:
-    """Record that ``rank`` has reached ``step`` (about to join its collectives)."""
+    """Record that ``rank`` has completed ``step`` optimizer steps and begins the next (whose
+    collectives it is about to join)."""
     folder = run_dir / HEARTBEAT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".rank{rank}.tmp"
@@ -298,8 +302,13 @@ def heartbeat(run_dir: Path, rank: int, step: int) -> None:
     tmp.replace(folder / f"rank{rank}.json")
 
 
+#: Seconds after the first rank that another must begin the same step to count as late.
+LATE_AFTER_S = 5.0
+
+
 def late_ranks(run_dir: Path) -> tuple[list[int], list[str]] | None:
-    """The ranks that reached the fewest steps, with each rank's last record; None without records."""
+    """The ranks that began the fewest steps, or (all at the same step) began it more than
+    ``LATE_AFTER_S`` after the first, with each rank's last record; None without a late one."""
     folder = run_dir / HEARTBEAT_DIR
     records = []
     for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else ():
@@ -310,12 +319,17 @@ def late_ranks(run_dir: Path) -> tuple[list[int], list[str]] | None:
     if len(records) < 2:
         return None
     lowest = min(r["step"] for r in records)
-    if all(r["step"] == lowest for r in records):
+    first = min(r["time"] for r in records if r["step"] == lowest)
+    if any(r["step"] != lowest for r in records):
+        late = [r["rank"] for r in records if r["step"] == lowest]
+    else:  # read after the late rank caught up (the process group's teardown waited for it)
+        late = [r["rank"] for r in records if r["time"] - first > LATE_AFTER_S]
+    if not late:
         return None
-    now = time.time()
-    detail = [f"rank {r['rank']} last reached step {r['step']} ({now - r['time']:.0f} s before the failure)"
+    detail = [f"rank {r['rank']} began step {r['step'] + 1} ({r['step']} completed)"
+              + (f", {r['time'] - first:.0f} s after the first rank" if r["time"] - first > LATE_AFTER_S else "")
               for r in sorted(records, key=lambda r: r["rank"])]
-    return sorted(r["rank"] for r in records if r["step"] == lowest), detail
+    return sorted(late), detail
 
 
 def hang(stacks_file: Path, seconds: float, frames: list[str]) -> Diagnosis:

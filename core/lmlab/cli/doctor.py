@@ -32,7 +32,8 @@ def main(args) -> int:
                           "health": [f.as_dict() for f in findings], "warnings": warnings}, indent=2))
         return 0
     status = summary.get("status", "running or killed (no summary.json)")
-    print(f"{run_dir}: {status}, {summary.get('steps', '?')} steps")
+    steps = summary.get("steps", "?")
+    print(f"{run_dir}: {status}, {steps} step{'' if steps == 1 else 's'}")
     if summary.get("error"):
         print(f"error: {summary['error'].splitlines()[0]}")
     if summary.get("diagnosis"):

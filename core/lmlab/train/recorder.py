@@ -22,7 +22,7 @@ import torch
 
 from lmlab import checkpoint, signals
 from lmlab.api.monitor import StepTiming
-from lmlab.diagnose import heartbeat
+from lmlab.diagnose import heartbeat, late_ranks
 from lmlab.train.checkpoint_io import replace
 from lmlab.rundir import MetricsLog
 
@@ -47,6 +47,8 @@ class RunRecorder(L.Callback):
         # outside training steps (waiting for batches, the loop's bookkeeping).
         self._batch_end = self._step_end = 0.0
         self._wait = 0.0
+        self._heartbeat = False
+        self.ranks_at_failure = None  # late_ranks() when training failed (multi-process runs)
         self.tracker, self.hooks = tracker, hooks
         self.resume_step = resume_step
         self.ckpt_dir = run_dir / "checkpoints"
@@ -154,6 +156,12 @@ class RunRecorder(L.Callback):
             if pl_module.last_aux is not None:
                 record["aux_loss"] = pl_module.last_aux.item()
             self._emit({**record, **extra})
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        # Lightning calls this before it tears the process group down, which can wait for the late
+        # rank to arrive: which ranks had reached which step is read now, not after.
+        if self._heartbeat:
+            self.ranks_at_failure = late_ranks(self.run_dir)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or pl_module.val_loss is None or trainer.state.fn != "fit":

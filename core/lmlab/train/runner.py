@@ -203,7 +203,7 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
         summary = _failed(failure, variant, run_dir, trainer, module, main)
         raise failure from exc
     except Exception as exc:
-        summary = _failed(exc, variant, run_dir, trainer, module, main)
+        summary = _failed(exc, variant, run_dir, trainer, module, main, recorder.ranks_at_failure)
         raise
     finally:
         recorder.close()
@@ -230,11 +230,11 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     return RunResult(summary, module, tokens, plugins, main)
 
 
-def _failed(exc: BaseException, variant, run_dir: Path, trainer, module, main: bool) -> dict:
+def _failed(exc: BaseException, variant, run_dir: Path, trainer, module, main: bool, late=None) -> dict:
     """The summary of a run that failed in training, with its diagnosis; error.log gets the traceback."""
     from lmlab.diagnose import diagnose
 
-    facts = {"step": trainer.global_step, "device": str(trainer.strategy.root_device),
+    facts = {"step": trainer.global_step, "device": str(trainer.strategy.root_device), "late_ranks": late,
              "activation_bytes": module.activation_bytes, "lr": module.control.lr if module.control else None}
     diagnosis = diagnose(exc, variant, run_dir, facts)
     if main:
