@@ -126,3 +126,10 @@ def test_ddp_on_two_processes_trains_exactly_what_one_device_does_on_the_global_
 
     # Measured: the largest difference over 20 steps is about 1e-6 (float32 summation order).
     check_parallel_matches_single('use = "ddp"\ndevices = 2\naccelerator = "cpu"', tmp_path, atol=1e-5)
+
+
+def test_ddp_waits_timeout_s_for_a_collective():
+    from datetime import timedelta
+
+    assert make(timeout_s=12).trainer_kwargs()["strategy"]._timeout == timedelta(seconds=12)
+    assert make().trainer_kwargs()["strategy"]._timeout == timedelta(minutes=30)  # torch's default
