@@ -83,6 +83,7 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, point) -> Varia
     resolved = derive(tables["train"], tables["model"], slots.get("optimizer"), slots.get("parallel"))
     if "resolved" in manifest:
         _check_resolved(manifest["resolved"], resolved, tables["train"], tables["model"], base_dir)
+    notes += _rule_notes(tables["train"], tables["model"], resolved)
     train = _resolve_train(tables["train"], slots.get("optimizer"), resolved)
     return Variant(variant_name, experiment=name, seed=seed, description=description, model=tables["model"],
                    train=train, resolved=resolved, slots=slots, base_dir=base_dir, init=init, init_source=source,
@@ -157,6 +158,18 @@ def derive(train, model, optimizer: Choice | None, parallel: Choice | None):
     clip = 0.1 * model.n_layers ** 0.5 if train.grad_clip == "auto" else float(train.grad_clip)
     return ResolvedOptions(batch_tokens=batch_tokens, lr_factor=factor,
                            lr=lr * factor if isinstance(lr, (int, float)) else None, grad_clip=clip)
+
+
+def _rule_notes(train, model, resolved) -> list[str]:
+    """What the scaling rules made of this variant, said where the run and lmlab check say notes."""
+    notes = []
+    if train.lr_scaling != "none" and resolved.lr is not None:
+        notes.append(f"train.lr_scaling = \"{train.lr_scaling}\": peak learning rate {resolved.lr / resolved.lr_factor:g} × "
+                     f"{resolved.lr_factor:.4g} = {resolved.lr:.4g} for {resolved.batch_tokens:,} tokens per step "
+                     f"(base {train.base_batch_tokens:,})")
+    if train.grad_clip == "auto":
+        notes.append(f"train.grad_clip = \"auto\": {resolved.grad_clip:.4g} (0.1·sqrt({model.n_layers} layers))")
+    return notes
 
 
 def _replicas(parallel: Choice | None) -> int:
