@@ -209,8 +209,6 @@ def _planned_activations(variant) -> dict | None:
 
 def _fitting_layout(variant, facts: dict) -> Fix | None:
     """The first ZeRO stage (then FSDP) that the planner says fits this machine's GPUs."""
-    import dataclasses
-
     import torch
 
     if not torch.cuda.is_available():
@@ -224,8 +222,7 @@ def _fitting_layout(variant, facts: dict) -> Fix | None:
                           ("fsdp", {})):
         try:
             cls = discovery.load("parallel", name, key="parallel.use")
-            candidate = dataclasses.replace(variant, slots={**variant.slots}).with_plugin(
-                "parallel", cls, cls.Options(devices=count, **options))
+            candidate = variant.with_plugin("parallel", cls, cls.Options(devices=count, **options))
             plan = plan_variant(candidate, world_size=count)
         except Exception:  # noqa: BLE001 - not installed, or not plannable: try the next
             continue

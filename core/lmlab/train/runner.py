@@ -70,7 +70,7 @@ def _rank() -> int:
 
 
 def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, attempt: dict,
-         checked=None, control=None) -> RunResult:
+         checked, control) -> RunResult:
     import lightning as L
 
     _quiet_lightning()
@@ -82,7 +82,6 @@ def _run(variant, run_dir: Path, resume: bool, extra_hooks, started: float, atte
     L.seed_everything(variant.seed, verbose=False)
     # What the manifest alone tells is wrong, before the data is read (done already by `lmlab run`).
     checked = checked if checked is not None else checks.run(variant)
-    control = control if control is not None else Control(run_dir, variant.manifest, variant.grad_clip)
     hooks = Hooks([*_instances(checked.plugins), *extra_hooks])
     hooks.call("lmlab_run_start", control=control)
     try:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 CORPUS = Path(__file__).resolve().parents[3] / "data" / "tinyshakespeare.txt"
 
@@ -56,3 +57,22 @@ use = "none"
         return path
 
     return write
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """Makes every tensor-to-host read raise while ``forbid[0]`` is True."""
+    forbid = [False]
+
+    def guard(name):
+        real = getattr(torch.Tensor, name)
+
+        def guarded(self, *args, **kwargs):
+            if forbid[0]:
+                raise AssertionError(f"Tensor.{name} (a host sync) on a step that is not logged")
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
+        guard(name)
+    return forbid

@@ -32,25 +32,6 @@ class Tiny(nn.Module):
         self.head = nn.Linear(4, 7, bias=False)
 
 
-@pytest.fixture
-def no_host_sync(monkeypatch):
-    """Makes every tensor-to-host read raise while ``forbid[0]`` is True."""
-    forbid = [False]
-
-    def guard(name):
-        real = getattr(torch.Tensor, name)
-
-        def guarded(self, *args, **kwargs):
-            if forbid[0]:
-                raise AssertionError(f"Tensor.{name} (a host sync) on a step that is not logged")
-            return real(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, guarded)
-
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
-        guard(name)
-    return forbid
-
-
 def monitor(control: FakeControl, **options) -> GradNorm:
     m = GradNorm(GradNormOptions(**options))
     m.lmlab_run_start(control=control)

@@ -21,25 +21,6 @@ class FakeControl:
         self.notes.append(text)
 
 
-@pytest.fixture
-def no_host_sync(monkeypatch):
-    """Makes every tensor-to-host read raise while ``forbid[0]`` is True."""
-    forbid = [False]
-
-    def guard(name):
-        real = getattr(torch.Tensor, name)
-
-        def guarded(self, *args, **kwargs):
-            if forbid[0]:
-                raise AssertionError(f"Tensor.{name} (a host sync) on a step that is not logged")
-            return real(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, guarded)
-
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
-        guard(name)
-    return forbid
-
-
 def feed(losses: list[float], log_every: int = 10, **options):
     """Steps 1..len(losses) through the hook; returns the monitor, the control and {step: metrics}."""
     control = FakeControl(log_every)

@@ -1,4 +1,7 @@
-"""What the optimizers of this package share: the core's weight-decay grouping and a check of betas."""
+"""What the optimizers of this package share: the core's weight-decay grouping, a check of betas, and
+the start of a hand-written ``step`` (the closure, then each group's dense gradients)."""
+
+import torch
 
 from lmlab.api import ParamInfo
 
@@ -19,3 +22,20 @@ def check_betas(betas: tuple[float, ...]) -> tuple[float, ...]:
     if not all(0 <= b < 1 for b in betas):
         raise ValueError(f"every beta must lie in [0, 1), got {list(betas)}")
     return betas
+
+
+def run_closure(closure):
+    """The loss of Lightning's closure, called once with gradients enabled (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def dense_grads(group: dict, name: str) -> tuple[list, list]:
+    """A param group's parameters that have gradients, and those gradients; sparse ones refused."""
+    params = [p for p in group["params"] if p.grad is not None]
+    grads = [p.grad for p in params]
+    if any(g.is_sparse for g in grads):
+        raise RuntimeError(f"{name} does not support sparse gradients")
+    return params, grads

@@ -34,7 +34,7 @@ from pydantic import field_validator
 
 from lmlab.api import Field, Optimizer, OptimizerOptions, ParamInfo
 
-from lmlab_optimizers._common import check_betas
+from lmlab_optimizers._common import check_betas, dense_grads, run_closure
 
 
 class LAMBOptions(OptimizerOptions):
@@ -84,17 +84,11 @@ class LAMBOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params, grads = dense_grads(group, "LAMB")
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            if any(g.is_sparse for g in grads):
-                raise RuntimeError("LAMB does not support sparse gradients")
             states = [self._state(p) for p in params]
             exp_avgs = [s["exp_avg"] for s in states]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]

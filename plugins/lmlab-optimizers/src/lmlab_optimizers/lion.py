@@ -25,7 +25,7 @@ from pydantic import field_validator
 
 from lmlab.api import Field, Optimizer, OptimizerOptions, ParamInfo
 
-from lmlab_optimizers._common import check_betas, decay_groups
+from lmlab_optimizers._common import check_betas, decay_groups, dense_grads, run_closure
 
 
 class LionOptions(OptimizerOptions):
@@ -52,17 +52,11 @@ class LionOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params, grads = dense_grads(group, "Lion")
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            if any(g.is_sparse for g in grads):
-                raise RuntimeError("Lion does not support sparse gradients")
             momenta = []
             for p in params:
                 state = self.state[p]

@@ -36,7 +36,7 @@ from pydantic import field_validator
 
 from lmlab.api import Field, Optimizer, OptimizerOptions, ParamInfo
 
-from lmlab_optimizers._common import check_betas, decay_groups
+from lmlab_optimizers._common import check_betas, decay_groups, run_closure
 
 
 class MuonOptions(OptimizerOptions):
@@ -114,10 +114,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for optimizer in self.optimizers:
             optimizer.step()
         return loss
