@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab import discovery
-from lmlab.api import (FFN, Attention, AttentionModule, Field, FFNModule, KVCache, ModelShape, Options, Position,
+from lmlab.api import (FFN, Attention, AttentionModule, Field, FFNModule, KVCache, MixerContext, ModelShape, Options, Position,
                        PositionModule, UserError)
 from lmlab.testing import (ConformanceError, check_attention, check_ffn, check_names, check_plugin,
                            check_plugin_class, check_position, iter_checks)
@@ -129,6 +129,12 @@ def refuse_position_schemes(self, x, ctx, state=None):
     return TinyAttentionModule.forward(self, x, ctx, state)
 
 
+def rows_as_one_forward(self, x, ctx, state=None):
+    if ctx.key_mask is not None:  # ignores the key mask: every row is masked as row 0 is
+        ctx = MixerContext(position=ctx.position, positions=ctx.positions[0], start=ctx.start)
+    return TinyAttentionModule.forward(self, x, ctx, state)
+
+
 def failures(plugin, **settings) -> dict[str, str]:
     """check name → message, for every check the plugin fails."""
     found = {}
@@ -160,6 +166,8 @@ BROKEN_ATTENTIONS = [
      "has dtype torch.float32, expected torch.bfloat16"),
     (broken_attention("unregistered", __init__=unregistered_init, forward=unregistered_forward), "state_dict",
      "after loading another build's state dict, the output differs"),
+    (broken_attention("maskless", forward=rows_as_one_forward, kv_layout=lambda self: (self.n_heads, self.head_dim)),
+     "ragged_decoding", "decoding rows of lengths"),
 ]
 
 

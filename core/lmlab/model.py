@@ -135,11 +135,16 @@ class LanguageModel(nn.Module):
         """idx (B, T) → logits (B, T, V)."""
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
-        if self.max_context is not None and start + T > self.max_context:
-            raise ValueError(f"positions up to {start + T - 1} requested; this model's position scheme covers "
-                             f"0..{self.max_context - 1} (model.block_size); crop the context")
-        positions = torch.arange(start, start + T, device=idx.device)
-        ctx = MixerContext(position=self.position, positions=positions, start=start, causal=self.causal)
+        positions = getattr(cache, "positions", None)  # the engine's rows: set per forward pass
+        if positions is not None:
+            ctx = MixerContext(position=self.position, positions=positions, start=start, causal=True,
+                               key_mask=cache.key_mask)
+        else:
+            if self.max_context is not None and start + T > self.max_context:
+                raise ValueError(f"positions up to {start + T - 1} requested; this model's position scheme covers "
+                                 f"0..{self.max_context - 1} (model.block_size); crop the context")
+            positions = torch.arange(start, start + T, device=idx.device)
+            ctx = MixerContext(position=self.position, positions=positions, start=start, causal=self.causal)
         first, stop = self.span
         if first == 0:
             x = self.dropout(self.position.embed(self.tok_emb(idx), positions))  # (B, T, C)

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.batch import IGNORE_INDEX, Batch, Windows
     from lmlab.api.check import CheckContext
     from lmlab.api.cache import InferenceCache, KVCache, LayerState
-    from lmlab.api.data import DataOptions, DataSource, Document, Record, Segment, document_text
-    from lmlab.api.decoding import Decoder, Stepper
+    from lmlab.api.data import ChatTemplate, DataOptions, DataSource, Document, Record, Segment, document_text
+    from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper
     from lmlab.api.errors import UserError
     from lmlab.api.ffn import FFN, FFNModule
     from lmlab.api.filter import Filter
@@ -59,6 +59,7 @@ _EXPORTS = {
     "InferenceCache": "lmlab.api.cache",
     "KVCache": "lmlab.api.cache",
     "LayerState": "lmlab.api.cache",
+    "ChatTemplate": "lmlab.api.data",
     "DataOptions": "lmlab.api.data",
     "DataSource": "lmlab.api.data",
     "Document": "lmlab.api.data",
@@ -66,6 +67,9 @@ _EXPORTS = {
     "Segment": "lmlab.api.data",
     "document_text": "lmlab.api.data",
     "Decoder": "lmlab.api.decoding",
+    "DecodingOptions": "lmlab.api.decoding",
+    "Engine": "lmlab.api.decoding",
+    "Outputs": "lmlab.api.decoding",
     "Stepper": "lmlab.api.decoding",
     "UserError": "lmlab.api.errors",
     "FFN": "lmlab.api.ffn",

@@ -28,15 +28,25 @@ class MixerContext:
     for schemes that do not act there; see its flags)."""
     positions: torch.Tensor
     """(T,) int64 absolute positions of the T input tokens, on the input's device:
-    ``start, ..., start + T - 1``."""
+    ``start, ..., start + T - 1``. In ragged decoding (``key_mask`` set, API 1.8) (B, T): each row
+    continues its own sequence, ``positions[b] = starts[b], ..., starts[b] + T - 1``."""
     start: int = 0
     """How many tokens the inference cache already holds (0 in training and evaluation, where there
-    is no cache)."""
+    is no cache). In ragged decoding rows hold different numbers; pass it on to the state's
+    ``update`` unchanged (the core's state knows where each row writes)."""
     causal: bool = True
     """True: output t sees inputs ≤ t only. False: every output sees every input (no mask at all;
     a position scheme's ``attention_bias`` still applies, for keys on both sides), in a model built
     for a bidirectional objective (API 1.4). It is fixed for a model when it is built, so a module
     may branch on it without a cost per step."""
+    key_mask: torch.Tensor | None = None
+    """None, except in ragged decoding (API 1.8): (B, 1, T, S) bool, True where query t of row b may
+    attend key slot s of the (B, n_kv_heads, S, head_dim) keys the state's ``update`` returned. It
+    already holds causality and each row's length, so a module uses it instead of its own causal
+    mask (adding a position bias where it is True). Slot s holds position s (``positions`` are per
+    row, (B, T)), and every row has at least one key it may attend. The core builds it once per
+    forward pass and only for modules whose [kv_layout][lmlab.api.attention.AttentionModule.kv_layout]
+    is not None, with a position module that declares ``per_row``."""
 
 
 class AttentionModule(nn.Module):
@@ -91,6 +101,21 @@ class AttentionModule(nn.Module):
             [KVCache][lmlab.api.cache.KVCache].
         """
         raise NotImplementedError
+
+    def kv_layout(self) -> tuple[int, int] | None:
+        """``(n_kv_heads, head_dim)`` when this module's decoding state is a plain key/value cache (API 1.8).
+
+        Then the core may hold the keys and values itself, in a cache shared by sequences of
+        different lengths (a contiguous one, or a paged one of fixed-size blocks), for batched
+        generation of prompts of different lengths and for ``lmlab serve``'s continuous batching. In
+        that mode ``forward`` receives as ``state`` an object with [KVCache][lmlab.api.cache.KVCache]'s
+        ``update(k, v, start)`` (it returns every row's keys and values, (B, n_kv_heads, S,
+        head_dim)), ``ctx.positions`` is (B, T) and ``ctx.key_mask`` says which of the S keys each
+        query may attend. A module that returns a layout promises to honour both (the conformance
+        kit's ``ragged_decoding`` check). Default None: the core decodes such a model one sequence at
+        a time through [new_state][lmlab.api.attention.AttentionModule.new_state] (recurrent mixers).
+        """
+        return None
 
     def reset_parameters(self, shape: ModelShape) -> None:
         """Initialise weights; output projections into the residual use ``shape.residual_init_std``.

@@ -55,6 +55,25 @@ Document = Union[str, Record]
 which parts are scored."""
 
 
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a chat becomes the prompt an instruction-tuned run was trained on (API 1.8), for ``lmlab
+    serve``'s ``/v1/chat/completions``: the last user message is the instruction, a system message
+    (if any) the input, and the model's answer ends at ``stop`` (or at the tokenizer's EOS)."""
+
+    prompt: str
+    """The prompt of a turn with an input: ``{instruction}`` and ``{input}`` are replaced."""
+    prompt_no_input: str
+    """The prompt of a turn without one: ``{instruction}`` is replaced."""
+    stop: str | None = None
+    """Text that ends an answer, as training taught (``response_end``); None: EOS only."""
+
+    def render(self, instruction: str, given: str = "") -> str:
+        """The prompt for one turn."""
+        template = self.prompt if given.strip() else self.prompt_no_input
+        return template.replace("{instruction}", instruction).replace("{input}", given)
+
+
 def document_text(doc: Document) -> str:
     """The whole text of a document, whichever form it has."""
     return doc if isinstance(doc, str) else doc.text
@@ -122,6 +141,12 @@ class DataSource(Plugin):
         # replay decides what training mixes in, not which documents this source yields.
         blob = json.dumps(self.options.model_dump(mode="json", exclude={"replay"}), sort_keys=True)
         return hashlib.sha256(f"{self.name}:{blob}".encode()).hexdigest()
+
+    def chat_template(self) -> ChatTemplate | None:
+        """The instruction template of this source's records, if it has one (API 1.8): ``lmlab serve``
+        offers chat completions for runs trained on it. Called on the run's data plugin as
+        configured, without reading any data. Default None: completions only."""
+        return None
 
     def stats(self) -> dict[str, int]:
         """Counts worth reporting once [documents][lmlab.api.data.DataSource.documents] is exhausted

@@ -1,49 +1,183 @@
-"""The decoding slot: turns a prompt into a continuation."""
+"""The decoding slot: turns prompts into continuations."""
+
+from typing import ClassVar, Iterator, Literal, Protocol
 
 import torch
 
+from lmlab.api.options import Field, Options
 from lmlab.api.cache import InferenceCache
 from lmlab.api.model import LanguageModel
 from lmlab.api.plugin import Plugin
 
 
-class Decoder(Plugin):
-    """How text is generated from a trained model:
-    [generate][lmlab.api.decoding.Decoder.generate] continues a prompt of token ids.
+class DecodingOptions(Options):
+    """Options every decoder has (API 1.8): how the core keeps the inference cache. A plugin's
+    options subclass these; ``lmlab generate --cache`` overrides ``cache`` for one command."""
 
-    Used by ``lmlab generate`` and by the sample ``lmlab run`` prints at the end of a causal run;
-    a model trained with a bidirectional objective is never given to a decoder.
+    cache: Literal["contiguous", "paged"] = Field(
+        "contiguous", help='the key/value cache: "contiguous" (every sequence reserves its longest length) or '
+                           '"paged" (blocks taken as a sequence grows, freed when it ends)')
+    block_size: int = Field(16, ge=1, help="positions per block of the paged cache")
+    cuda_graph: bool = Field(False, help="on CUDA, replay the one-token decode step as a captured CUDA graph "
+                                         "(contiguous cache); ignored elsewhere")
+
+
+class Engine(Protocol):
+    """Sequences decoded together over one model (API 1.8): what
+    [Decoder.decode][lmlab.api.decoding.Decoder.decode] drives. The core's engine
+    (``lmlab.generation``) keeps each sequence in a row of its inference cache, each row with its own
+    length, so rows of different lengths advance in one forward pass; with an attention plugin
+    that gives no [kv_layout][lmlab.api.attention.AttentionModule.kv_layout] (a recurrent mixer), it
+    feeds the rows one at a time, with the same results.
+
+    Rows are small integers the engine hands out; logits are float32. Once a row holds as many
+    tokens as the model's context, the engine keeps its most recent ones (a sliding window, as
+    nanoGPT's sampler crops its input), so a decoder never sees a context error.
+    """
+
+    model: LanguageModel
+    """The model decoded."""
+    vocab_size: int
+    """The logits' last dimension V."""
+
+    def add(self, prompts: list[list[int]]) -> tuple[list[int], torch.Tensor]:
+        """Start one row per prompt (each at least one token); return the rows and the logits (N, V)
+        for each prompt's next token."""
+
+    def step(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens (B, T) int64 to rows (B of them, distinct); return the logits (B, T, V):
+        ``[b, t]`` scores the token after ``tokens[b, t]``. T > 1 verifies several tokens at once
+        (speculative decoding)."""
+
+    def rewind(self, rows: list[int], counts: list[int]) -> None:
+        """Drop the last ``counts[i]`` tokens of ``rows[i]`` (rejected draft tokens); they must not
+        reach back past a slide of the window. ``NotImplementedError`` from an engine whose model's
+        states cannot rewind (a recurrent mixer)."""
+
+    def fork(self, rows: list[int]) -> list[int]:
+        """New rows, one per entry of ``rows`` (repeats allowed), each a copy of that row's sequence."""
+
+    def assign(self, dst: list[int], src: list[int]) -> None:
+        """Make each row ``dst[i]`` a copy of row ``src[i]`` as it was before the call (beam search's
+        re-selection; a row may be copied to several others)."""
+
+    def release(self, rows: list[int]) -> None:
+        """Free rows whose sequences have ended; their memory serves the next ones."""
+
+    def length(self, row: int) -> int:
+        """Tokens the row holds (prompt included)."""
+
+    def companion(self, model: LanguageModel) -> "Engine":
+        """A new engine over another model (a speculative decoder's draft) with this one's cache
+        settings."""
+
+
+class Outputs(Protocol):
+    """Where a decoder's tokens go, one entry per prompt (API 1.8): the core records each prompt's
+    tokens, streams their text, and says when a prompt is finished: at the tokenizer's EOS, at a
+    stop string (cut out of the text), or after its own most new tokens."""
+
+    eos_id: int | None
+    """The end-of-text id, or None."""
+
+    def max_new_tokens(self, i: int) -> int:
+        """The most tokens prompt i may add (≥ 1)."""
+
+    def done(self, i: int) -> bool:
+        """Whether prompt i is finished, counting every token yielded for it so far."""
+
+    def ends(self, i: int, tokens: list[int]) -> bool:
+        """Whether ``tokens`` (a continuation of prompt i) reach its end: EOS, a stop string, or the
+        token limit. For a decoder that weighs whole continuations before yielding (beam search)."""
+
+    def offer(self, i: int, candidates: list[tuple[list[int], float]]) -> None:
+        """Record prompt i's ranked alternatives, best first, each (tokens, score) (beam search's
+        n-best); the decoder still yields the tokens of the best."""
+
+
+class Decoder(Plugin):
+    """How text is generated from a trained model.
+
+    [decode][lmlab.api.decoding.Decoder.decode] (API 1.8) continues a batch of prompts of any lengths
+    over an [Engine][lmlab.api.decoding.Engine], yielding tokens as they are made; ``lmlab
+    generate`` streams them and ``lmlab serve`` answers with them. A plugin written for API < 1.8
+    implements only [generate][lmlab.api.decoding.Decoder.generate], which the core then calls per
+    prompt. Used also for the sample ``lmlab run`` prints at the end of a causal run; a model trained
+    with a bidirectional objective is never given to a decoder.
     """
 
     slot = "decoding"
+    Options = DecodingOptions
+    needs_runs: ClassVar[tuple[str, ...]] = ()
+    """Option names whose values are other run folders the decoder loads (a speculative decoder's
+    ``draft``): the core loads each and passes them as ``runs`` to
+    [prepare][lmlab.api.decoding.Decoder.prepare], after checking they share the target's
+    tokenizer (API 1.8)."""
+
+    def rows_per_prompt(self) -> int:
+        """Engine rows one prompt may hold at once (beam search: its width); the core sizes the
+        engine by it (API 1.8). Default 1."""
+        return 1
+
+    def prepare(self, target: LanguageModel, runs: dict[str, LanguageModel]) -> None:
+        """Called once before decoding with the target model and the models of
+        [needs_runs][lmlab.api.decoding.Decoder.needs_runs] (on the target's device, eval mode).
+        Default: nothing."""
+
+    def decode(self, engine: Engine, prompts: list[list[int]], outputs: Outputs,
+               generator: torch.Generator | None = None) -> Iterator[dict[int, list[int]]]:
+        """Continue every prompt, yielding ``{prompt index: new tokens}`` as tokens are made.
+
+        Called under ``torch.no_grad()`` with the model in eval mode. After each yield the core has
+        recorded the tokens; check [Outputs.done][lmlab.api.decoding.Outputs.done] and stop feeding
+        (and [release][lmlab.api.decoding.Engine.release]) the rows of prompts that are. Tokens
+        yielded for a finished prompt are ignored, so a decoder may finish a step before checking.
+
+        Args:
+            engine: The model's engine, with no rows yet; start rows with ``engine.add(prompts)``.
+            prompts: Token ids, each at least one.
+            outputs: Per-prompt limits and the finished flags.
+            generator: The random generator to draw from (seeded), or None for the global one.
+
+        Yields:
+            Dicts of prompt index → tokens made for it since the last yield. Default: ``generate``
+            per prompt (plugins written for API < 1.8).
+        """
+        if type(self).generate is Decoder.generate:
+            raise NotImplementedError(f"{type(self).__name__} implements neither decode nor generate")
+        device = next(engine.model.parameters()).device
+        for i, ids in enumerate(prompts):
+            prompt = torch.tensor([ids], dtype=torch.long, device=device)
+            out = self.generate(engine.model, prompt, outputs.max_new_tokens(i), eos_id=outputs.eos_id,
+                                generator=generator)
+            yield {i: out[0, len(ids):].tolist()}
 
     def generate(self, model: LanguageModel, prompt: torch.Tensor, max_new_tokens: int,
                  eos_id: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Continue ``prompt`` by at most ``max_new_tokens`` tokens.
+        """Continue ``prompt`` by at most ``max_new_tokens`` tokens (the API < 1.8 entry point).
 
-        Called under ``torch.no_grad()`` with the model in eval mode (``model.eval()``), in one
-        process. Feed the model through a [Stepper][lmlab.api.decoding.Stepper] (or the model's
-        own cache, [LanguageModel.new_cache][lmlab.api.model.LanguageModel.new_cache]) rather than
-        re-running the whole sequence per token; the Stepper also keeps the sequence within
-        [LanguageModel.max_context][lmlab.api.model.LanguageModel.max_context].
+        The default runs [decode][lmlab.api.decoding.Decoder.decode] over the core's engine.
 
         Args:
             model: The trained model: ``model(idx, cache)`` gives logits (B, T, V) in the
                 parameters' dtype.
-            prompt: (B, T) int64 token ids on the model's device, T ≥ 1; the core passes one row
-                (B = 1).
-            max_new_tokens: How many tokens to add at most, ≥ 1 from the core.
+            prompt: (B, T) int64 token ids on the model's device, T ≥ 1.
+            max_new_tokens: How many tokens to add at most, ≥ 1.
             eos_id: The tokenizer's end-of-document id, or None. A row that emits it is finished:
-                the first-party decoders pad it with ``eos_id`` and stop once every row is.
+                it is padded with ``eos_id`` until every row is.
             generator: The random generator to draw from (on the model's device, seeded by
                 ``--seed`` or the run's seed), so that sampling is reproducible; None draws from
                 the global one.
 
         Returns:
             Token ids (B, T + n) int64 with n ≤ ``max_new_tokens``, beginning with ``prompt``
-            unchanged; the core decodes row 0 after the prompt.
+            unchanged.
         """
-        raise NotImplementedError
+        if type(self).decode is Decoder.decode:
+            raise NotImplementedError(f"{type(self).__name__} implements neither decode nor generate")
+        from lmlab.generation.batch import generate_tensor
+
+        return generate_tensor(self, model, prompt, max_new_tokens, eos_id=eos_id, generator=generator)
 
 
 class Stepper:

@@ -37,6 +37,12 @@ class PositionModule(nn.Module):
     biases: ClassVar[bool] = False
     """True when [attention_bias][lmlab.api.position.PositionModule.attention_bias] returns a bias
     (ALiBi); attention plugins skip the call otherwise."""
+    per_row: ClassVar[bool] = False
+    """True when every method also takes per-row positions, (B, T) instead of (T,) (API 1.8), as
+    ragged decoding passes them: ``embed`` gets (B, T) positions for (B, T, C) embeddings,
+    ``rotate`` (B, T) for (B, H, T, hs) queries, and ``attention_bias`` (B, Tq) query positions
+    (keys stay (Tk,)) and returns (B, H, Tq, Tk). Without it, the core generates one sequence at a
+    time."""
     max_positions: int | None = None
     """Positions this scheme can represent (a learned table's rows); None means unbounded. The
     model's ``max_context``: a forward pass past it raises ``ValueError``, and decoders slide their
@@ -52,7 +58,7 @@ class PositionModule(nn.Module):
 
         Args:
             x: (B, T, C) token embeddings, in the parameters' dtype.
-            positions: (T,) absolute positions of the tokens.
+            positions: (T,) absolute positions of the tokens; (B, T) when ``per_row``.
 
         Returns:
             The embeddings (B, T, C) with positions mixed in. Default: ``x`` unchanged.
@@ -66,7 +72,7 @@ class PositionModule(nn.Module):
         Args:
             q: (B, H, T, hs) queries.
             k: (B, H_kv, T, hs) keys (H_kv divides H under grouped-query attention).
-            positions: (T,) absolute positions of these queries and keys.
+            positions: (T,) absolute positions of these queries and keys; (B, T) when ``per_row``.
 
         Returns:
             The pair (q, k) with positions applied, same shapes. Default: unchanged.
@@ -78,11 +84,11 @@ class PositionModule(nn.Module):
         [biases][lmlab.api.position.PositionModule.biases] is True.
 
         Args:
-            q_positions: (Tq,) absolute positions of the queries.
+            q_positions: (Tq,) absolute positions of the queries; (B, Tq) when ``per_row``.
             k_positions: (Tk,) absolute positions of the keys (all cached ones too, in decoding).
 
         Returns:
-            A bias (H, Tq, Tk) added to the scores before the softmax, or
+            A bias (H, Tq, Tk) ((B, H, Tq, Tk) for per-row queries) added to the scores before the softmax, or
             None (the default). A tensor-parallel attention layer takes its heads' slice of it.
         """
         return None

@@ -71,6 +71,17 @@ and raise the bound when the plugin starts to use a newer one.
      ``lmlab_before_optimizer_step`` receives ``grad_norm``, ``loss`` and ``control``;
      ``lmlab_train_batch_end`` receives ``timing`` and ``control``. ``LaunchOptions.timeout_s`` (how long a
      collective waits before the run fails).
+
+1.8: Decoding over an engine (``lmlab.api.decoding``): ``Decoder.decode(engine, prompts, outputs, generator)``
+     continues prompts of any lengths and yields tokens as they are made, through ``Engine`` (add, step,
+     rewind, fork, assign, release, companion) and ``Outputs`` (limits, finished flags, ``ends``,
+     ``offer`` for n-best); ``Decoder.generate`` defaults to it; ``Decoder.needs_runs`` with
+     ``Decoder.prepare`` (other run folders a decoder loads, e.g. a speculative draft) and
+     ``Decoder.rows_per_prompt``. Ragged decoding: ``AttentionModule.kv_layout`` (the core may hold the
+     keys and values, in a contiguous or paged cache shared by rows of different lengths),
+     ``MixerContext.key_mask`` and per-row ``MixerContext.positions`` (B, T), which a position module
+     takes when it declares ``PositionModule.per_row``. ``DataSource.chat_template`` (how a chat turns
+     into the prompt a run was trained on, for ``lmlab serve``'s chat completions).
 """
 
-API_VERSION = "1.7"
+API_VERSION = "1.8"

@@ -165,7 +165,13 @@ def _closing_sample(variant, result) -> None:
     if not cfg.sample_tokens or not result.plugins["objective"].causal:  # a bidirectional model cannot generate
         return
     try:
-        text = generate_text(result.module.model, result.tokens.tokenizer, result.plugins["decoding"],
+        from types import SimpleNamespace
+
+        from lmlab.generation.runs import prepare_decoder
+
+        decoder = result.plugins["decoding"]
+        prepare_decoder(decoder, SimpleNamespace(model=result.module.model, tokenizer=result.tokens.tokenizer))
+        text = generate_text(result.module.model, result.tokens.tokenizer, decoder,
                              cfg.sample_prompt, cfg.sample_tokens, seed=variant.seed)
     except Exception as exc:
         warn(f"[{variant.name}] the closing sample failed ({type(exc).__name__}: {exc}); the run itself completed")

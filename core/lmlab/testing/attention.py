@@ -204,6 +204,51 @@ def cache_reorder(subject: AttentionSubject) -> None:
                          offset=start)
 
 
+def ragged_decoding(subject: AttentionSubject) -> None:
+    """A module that gives a ``kv_layout`` (API 1.8), fed as the core's engine feeds it: rows of
+    different lengths in one shared cache, each prefilled alone, then decoded together one token per
+    step with per-row positions and ``ctx.key_mask``; every output equals the full forward of its
+    row alone, under each position scheme. Modules without a layout are not checked."""
+    from lmlab.generation.kv import ContiguousKV, Plan
+
+    module = subject.build(subject.seed)
+    layout = module.kv_layout()
+    if layout is None:
+        return
+    x, _ = subject.example(subject.seed + 1, batch=3)
+    T = x.shape[1]
+    prompts = [max(1, T // 2), 1, max(1, T - 4)]  # tokens each row holds before the steps
+    device = subject.device
+    for label, position in subject.schemes():
+        with torch.no_grad():
+            full = [module(x[r:r + 1], subject.context(position, 0, T)) for r in range(3)]  # (1, T, C) each
+            store = ContiguousKV([layout], 3, T, device, x.dtype)
+            lengths = list(prompts)
+            for r, n in enumerate(prompts):
+                positions = torch.arange(n, device=device)[None]                     # (1, n)
+                store.plan = Plan(torch.tensor([r], device=device), positions, n, leading=False)
+                mask = (torch.arange(n, device=device)[None, :] <= positions[0][:, None])[None, None]
+                ctx = MixerContext(position=position, positions=positions, start=0, key_mask=mask)
+                y = module(x[r:r + 1, :n], ctx, store.views[0])
+                expect_close(y, full[r][:, :n], SAME, f"a prefill of {n} tokens into row {r} of a shared cache "
+                             f"(per-row positions, key_mask) differs from the full forward ({label})")
+            while min(lengths) < T:
+                rows = [r for r in range(3) if lengths[r] < T]
+                starts = torch.tensor([lengths[r] for r in rows], device=device)
+                positions = starts[:, None]                                            # (B, 1)
+                span = max(lengths[r] for r in rows) + 1
+                store.plan = Plan(torch.tensor(rows, device=device), positions, span, leading=False)
+                mask = (torch.arange(span, device=device)[None, :] <= positions)[:, None, None, :]
+                ctx = MixerContext(position=position, positions=positions, start=0, key_mask=mask)
+                tokens = torch.stack([x[r, lengths[r]] for r in rows])[:, None]        # (B, 1, C)
+                y = module(tokens, ctx, store.views[0])
+                for i, r in enumerate(rows):
+                    expect_close(y[i:i + 1], full[r][:, lengths[r]:lengths[r] + 1], SAME,
+                                 f"decoding rows of lengths {[lengths[q] for q in rows]} together, row {r}'s "
+                                 f"position {lengths[r]} differs from its full forward ({label})")
+                    lengths[r] += 1
+
+
 #: name → check, in the order ``check_attention`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
@@ -213,6 +258,7 @@ CHECKS = {
     "bidirectional": bidirectional,
     "incremental_decoding": incremental_decoding,
     "cache_reorder": cache_reorder,
+    "ragged_decoding": ragged_decoding,
     "gradients": generic.gradients,
     "determinism": generic.determinism,
     "state_dict": generic.state_dict,

@@ -21,7 +21,9 @@ class ReferenceAttentionModule(AttentionModule):
     n_kv_heads keys/values, spelled out.
 
     It honours the position scheme as the API asks: ``rotate`` on queries and keys when the scheme
-    ``rotates``, ``attention_bias`` added to the scores when it ``biases``; both before masking.
+    ``rotates``, ``attention_bias`` added to the scores when it ``biases``; both before masking. It
+    gives its ``kv_layout``, so the core can decode rows of different lengths together through it
+    (per-row positions, ``ctx.key_mask`` in place of the causal mask).
     """
 
     def __init__(self, shape: ModelShape, n_kv_heads: int):
@@ -43,14 +45,18 @@ class ReferenceAttentionModule(AttentionModule):
         if state is not None:
             k, v = state.update(k, v, ctx.start)                                # (B, Hkv, S, hs)
         S = k.shape[2]
-        # The S keys are the consecutive positions that end at the last query's.
-        k_positions = ctx.positions[-1] - S + 1 + torch.arange(S, device=x.device)
+        if ctx.key_mask is not None:  # ragged decoding: rows differ in length, so slot s holds position s
+            k_positions = torch.arange(S, device=x.device)
+        else:  # the S keys are the consecutive positions that end at the last query's
+            k_positions = ctx.positions[-1] - S + 1 + torch.arange(S, device=x.device)
         k = k.repeat_interleave(H // Hkv, dim=1)                                # (B, H, S, hs)
         v = v.repeat_interleave(H // Hkv, dim=1)
         scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(hs)              # (B, H, T, S)
         if ctx.position.biases:
             scores = scores + ctx.position.attention_bias(ctx.positions, k_positions).float()
-        if ctx.causal:
+        if ctx.key_mask is not None:  # (B, 1, T, S): causality and each row's length
+            scores = scores.masked_fill(~ctx.key_mask, float("-inf"))
+        elif ctx.causal:
             visible = k_positions[None, :] <= ctx.positions[:, None]             # (T, S)
             scores = scores.masked_fill(~visible, float("-inf"))
         weights = scores.softmax(dim=-1).to(v.dtype)
@@ -59,6 +65,9 @@ class ReferenceAttentionModule(AttentionModule):
 
     def new_state(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
         return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, device=device, dtype=dtype)
+
+    def kv_layout(self) -> tuple[int, int]:
+        return self.n_kv_heads, self.head_dim
 
     def reset_parameters(self, shape: ModelShape) -> None:
         for proj in (self.q_proj, self.k_proj, self.v_proj):
@@ -105,11 +114,13 @@ class ReferencePositionModule(PositionModule):
 
     Not a scheme anyone should train with: it acts in both attention-side places so that an attention
     plugin checked under it must pass the right absolute positions to ``rotate`` and the right query
-    and key positions to ``attention_bias``, in training and in cached decoding alike.
+    and key positions to ``attention_bias``, in training and in cached decoding alike, and per row
+    in ragged decoding.
     """
 
     rotates = True
     biases = True
+    per_row = True
 
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -120,13 +131,15 @@ class ReferencePositionModule(PositionModule):
                              persistent=False)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        angles = positions[:, None].float() * self.inv_freq.float()              # (T, hs/2)
+        angles = positions[..., None].float() * self.inv_freq.float()            # (T, hs/2) or (B, T, hs/2)
+        if angles.dim() == 3:  # per-row positions: (B, 1, T, hs/2), one row's angles for all its heads
+            angles = angles[:, None]
         cos, sin = angles.cos(), angles.sin()
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def attention_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        distance = (q_positions[:, None] - k_positions[None, :]).abs().float()  # (Tq, Tk)
-        return -self.slopes.float()[:, None, None] * distance                    # (H, Tq, Tk)
+        distance = (q_positions[..., None] - k_positions).abs().float()         # ([B,] Tq, Tk)
+        return -self.slopes.float()[:, None, None] * distance.unsqueeze(-3)      # ([B,] H, Tq, Tk)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -239,3 +239,68 @@ def test_reset_parameters_scales_the_output_projection_and_zeroes_biases():
                         (attn.v_proj.weight, shape.init_std), (attn.out_proj.weight, shape.residual_init_std)]:
         assert abs(weight.std().item() - std) < 0.1 * std
     assert all(not lin.bias.any() for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
+
+
+class RaggedKV:
+    """The core's ragged cache in miniature: row ``rows[i]`` of a forward pass writes its keys and
+    values at its own length ``starts[i]``, and every row gets back slots 0..S-1, S the longest row's
+    length (slot s holds position s; what a shorter row has not written stays zero, for the mask to
+    hide)."""
+
+    def __init__(self, batch_size: int, layout: tuple[int, int], max_len: int):
+        n_kv_heads, head_dim = layout
+        self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_dim)
+        self.v = torch.zeros_like(self.k)
+        self.rows, self.starts = [], []  # set before each forward pass
+
+    def update(self, k, v, start):
+        T = k.shape[2]  # start is ignored: the rows' lengths differ, and the store knows them
+        for i, (row, begin) in enumerate(zip(self.rows, self.starts)):
+            self.k[row, :, begin:begin + T], self.v[row, :, begin:begin + T] = k[i], v[i]
+        S = max(self.starts) + T
+        return self.k[self.rows, :, :S], self.v[self.rows, :, :S]
+
+
+def ragged_forward(attn, position, store, x, rows, starts):
+    """The core's ragged step through one layer: x[i] continues row rows[i], which holds starts[i]
+    tokens, at per-row positions, under a key mask of each query's own row up to itself."""
+    store.rows, store.starts = rows, starts
+    positions = torch.tensor(starts)[:, None] + torch.arange(x.shape[1])          # (B, T)
+    key_mask = torch.arange(max(starts) + x.shape[1]) <= positions[:, :, None]    # (B, T, S)
+    ctx = MixerContext(position, positions, start=0, key_mask=key_mask[:, None])   # (B, 1, T, S)
+    return attn(position.embed(x, positions), ctx, store)
+
+
+@pytest.mark.parametrize("position_name", ["none", "learned", "rope", "alibi"])
+@pytest.mark.parametrize("name", ATTENTIONS)
+def test_ragged_decoding_equals_decoding_each_row_alone(name, position_name):
+    shape = make_shape()
+    attn = build_attention(name, shape, **({"n_kv_heads": 2} if name == "gqa" else {}))
+    position = make_position(position_name, shape)
+    assert attn.kv_layout() == (attn.n_kv_heads, 8)
+    # Prompts of different lengths, then steps for all rows together (one of two tokens); the
+    # shortest row attends past the end of its keys unless the mask stops it.
+    lengths, steps = [5, 2, 7], [1, 1, 2, 1]
+    torch.manual_seed(2)
+    xs = [torch.randn(1, n + sum(steps), 32) for n in lengths]
+
+    expected = []  # each row alone through the plain KV cache
+    for x, n in zip(xs, lengths):
+        state, outputs, start = attn.new_state(1, x.shape[1], x.device, x.dtype), [], 0
+        for chunk in [n, *steps]:
+            outputs.append(forward(attn, position, x[:, start:start + chunk], start=start, state=state))
+            start += chunk
+        expected.append(torch.cat(outputs, dim=1))
+
+    store = RaggedKV(len(xs), attn.kv_layout(), max(lengths) + sum(steps))
+    got = [[ragged_forward(attn, position, store, x[:, :n], [row], [0])]  # prefill one row at a time
+           for row, (x, n) in enumerate(zip(xs, lengths))]
+    starts = list(lengths)
+    for chunk in steps:
+        y = ragged_forward(attn, position, store, torch.cat([x[:, s:s + chunk] for x, s in zip(xs, starts)]),
+                           [0, 1, 2], starts)
+        for row in range(3):
+            got[row].append(y[row:row + 1])
+        starts = [s + chunk for s in starts]
+    for row in range(3):
+        torch.testing.assert_close(torch.cat(got[row], dim=1), expected[row], rtol=1e-5, atol=1e-5)

@@ -127,3 +127,14 @@ def test_bidirectional_mha_with_alibi_equals_the_unmasked_reference_with_symmetr
     causal = attn(x, MixerContext(position=alibi, positions=positions))
     assert not torch.allclose(got[:, :-1], causal[:, :-1], atol=1e-4)
     torch.testing.assert_close(got[:, -1], causal[:, -1], rtol=1e-5, atol=1e-5)  # the last token saw all in both
+
+
+def test_alibi_bias_of_per_row_queries_is_each_rows_own():
+    alibi = make_alibi(4)
+    assert alibi.per_row
+    q_pos, k_pos = torch.tensor([[3, 4, 5], [9, 10, 11], [0, 1, 2]]), torch.arange(12)  # (B, Tq), keys (Tk,)
+    bias = alibi.attention_bias(q_pos, k_pos)
+    assert bias.shape == (3, 4, 3, 12) and bias.dtype == torch.float32
+    for b in range(3):  # exactly what the row gets alone, with (Tq,) positions
+        assert torch.equal(bias[b], alibi.attention_bias(q_pos[b], k_pos))
+    assert not torch.equal(bias[0], bias[1])

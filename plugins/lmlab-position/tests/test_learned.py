@@ -30,3 +30,14 @@ def test_learned_table_is_initialised_with_init_std_and_saved():
     learned = LearnedPosition().build(shape)
     assert abs(learned.wpe.weight.std().item() - 0.05) < 0.005
     assert set(learned.state_dict()) == {"wpe.weight"}
+
+
+def test_learned_embed_adds_each_rows_own_positions():
+    torch.manual_seed(0)
+    learned = LearnedPosition().build(SHAPE)
+    assert learned.per_row
+    x, positions = torch.randn(3, 4, 32), torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8], [12, 13, 14, 15]])  # (B, T)
+    got = learned.embed(x, positions)
+    for b in range(3):  # exactly what the row gets alone, with (T,) positions
+        assert torch.equal(got[b:b + 1], learned.embed(x[b:b + 1], positions[b]))
+    assert not torch.allclose(got - x, learned.embed(x, positions[0]) - x)  # the rows' positions differ

@@ -37,3 +37,14 @@ def test_causal_attention_without_positions_sees_its_prefix_as_a_set():
     shuffled = x[:, [3, 0, 4, 2, 1, 5]]
     torch.testing.assert_close(attn(x, ctx)[:, -1], attn(shuffled, ctx)[:, -1], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(attn(x, ctx)[:, 1], attn(shuffled, ctx)[:, 1], atol=1e-4)
+
+
+def test_none_takes_per_row_positions_and_still_changes_nothing():
+    module = NoPosition().build(SHAPE)
+    assert module.per_row
+    x, q, k = torch.randn(2, 3, 32), torch.randn(2, 4, 3, 8), torch.randn(2, 1, 3, 8)
+    positions = torch.tensor([[0, 1, 2], [5, 6, 7]])  # (B, T)
+    assert module.embed(x, positions) is x
+    rq, rk = module.rotate(q, k, positions)
+    assert rq is q and rk is k
+    assert module.attention_bias(positions, torch.arange(8)) is None

@@ -64,3 +64,16 @@ def test_rope_rejects_odd_head_size():
     with pytest.raises(UserError) as error:
         make_rope(d_model=12, n_heads=4)
     assert error.value.key == "position.use"
+
+
+def test_rope_rotates_each_row_by_its_own_positions():
+    rope = make_rope()
+    assert rope.per_row
+    torch.manual_seed(0)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [40, 41, 42, 1000, 3]])  # (B, T)
+    q, k = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 5, 8)  # fewer key heads, as in GQA
+    got_q, got_k = rope.rotate(q, k, positions)
+    for b in range(3):  # exactly what the row gets alone, with (T,) positions
+        row_q, row_k = rope.rotate(q[b:b + 1], k[b:b + 1], positions[b])
+        assert torch.equal(got_q[b:b + 1], row_q) and torch.equal(got_k[b:b + 1], row_k)
+    assert not torch.allclose(got_q[1:], rope.rotate(q, k, positions[0])[0][1:])  # the rows' positions differ

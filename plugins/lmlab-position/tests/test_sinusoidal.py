@@ -93,3 +93,15 @@ def test_sinusoidal_odd_width_keeps_sin_in_the_last_dimension():
 def test_sinusoidal_keeps_the_input_dtype():
     x = torch.randn(1, 4, 16, dtype=torch.bfloat16)
     assert make_sinusoidal().embed(x, torch.arange(4)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("d_model", [16, 7])
+def test_sinusoidal_adds_each_rows_own_positions(d_model):
+    module = make_sinusoidal(d_model)
+    assert module.per_row
+    x, positions = torch.randn(3, 4, d_model), torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8], [90, 91, 500, 2]])  # (B, T)
+    got = module.embed(x, positions)
+    assert got.shape == (3, 4, d_model)
+    for b in range(3):  # exactly what the row gets alone, with (T,) positions
+        assert torch.equal(got[b:b + 1], module.embed(x[b:b + 1], positions[b]))
+    assert not torch.allclose(got - x, module.embed(x, positions[0]) - x)  # the rows' positions differ

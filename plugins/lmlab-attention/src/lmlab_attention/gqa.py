@@ -23,6 +23,10 @@ Causal by default; all three also attend bidirectionally (``bidirectional = True
 model is built for an objective that is not causal, such as masked language modelling (BERT, Devlin
 et al. 2019): then no mask is applied at all, and a position scheme's bias covers keys on both sides
 of the query (ALiBi's is symmetric in the distance).
+
+The decoding state is a plain key/value cache, so the module gives its ``kv_layout`` (API 1.8) and the
+core may decode sequences of different lengths in one batch: each row then has its own positions and
+the core's ``key_mask`` takes the place of the causal mask.
 """
 
 import torch
@@ -71,21 +75,29 @@ class SelfAttention(AttentionModule):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hs))       # (B, T, C)
 
     def _mask(self, ctx: MixerContext, T: int, S: int, dtype: torch.dtype):
-        """(attn_mask, is_causal) for T queries that are the last T of S keys.
+        """(attn_mask, is_causal) for T queries that are the last T of S keys, or, in ragged decoding,
+        that ``ctx.key_mask`` says which keys each row's queries see.
 
         SDPA takes either ``is_causal`` or ``attn_mask``, and its ``is_causal`` aligns the triangle to
         the top left, so it only fits when queries and keys are the same tokens (training, prefill).
         Bidirectional (``ctx.causal`` False): no mask, only the position scheme's bias if it has one.
         """
         device = ctx.positions.device
+        ragged = ctx.key_mask is not None
         bias = None
         if ctx.position.biases:
-            # Cached keys hold consecutive positions ending at the last query's.
-            k_positions = ctx.positions if S == T else ctx.positions[0] - ctx.start + torch.arange(S, device=device)
-            bias = ctx.position.attention_bias(ctx.positions, k_positions)         # (H, T, S)
+            if ragged:  # rows differ in length, so slot s holds position s and the mask hides the rest
+                k_positions = torch.arange(S, device=device)
+            else:  # cached keys hold consecutive positions ending at the last query's
+                k_positions = ctx.positions if S == T else ctx.positions[0] - ctx.start + torch.arange(S, device=device)
+            bias = ctx.position.attention_bias(ctx.positions, k_positions)         # (H, T, S); (B, H, T, S) ragged
             if self.tp_size > 1:  # this rank's heads only
                 local = self.n_heads // self.tp_size
-                bias = bias[self.tp_rank * local:(self.tp_rank + 1) * local]
+                bias = bias[..., self.tp_rank * local:(self.tp_rank + 1) * local, :, :]
+        if ragged:  # the core's mask holds causality and every row's length, even for one new token
+            if bias is None:
+                return ctx.key_mask, False
+            return bias.to(dtype).masked_fill(~ctx.key_mask, float("-inf")), False
         if T == 1 or not ctx.causal:  # one new token sees everything cached before it; or no mask at all
             return (None if bias is None else bias.to(dtype)), False
         if bias is None and S == T:
@@ -98,6 +110,9 @@ class SelfAttention(AttentionModule):
     def new_state(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
         return KVCache(batch_size, self.n_kv_heads // self.tp_size, max_len, self.head_dim, device=device,
                        dtype=dtype)
+
+    def kv_layout(self) -> tuple[int, int]:
+        return self.n_kv_heads // self.tp_size, self.head_dim
 
     def tensor_parallel_plan(self, tp_size: int) -> dict:
         if self.n_heads % tp_size or self.n_kv_heads % tp_size:
@@ -134,7 +149,7 @@ class GroupedQueryAttention(Attention):
     """``gqa``: ``n_kv_heads`` key/value heads shared by groups of query heads (Ainslie et al. 2023)."""
 
     Options = GroupedQueryAttentionOptions
-    api = ">=1.4,<2"  # MixerContext.causal
+    api = ">=1.8,<2"  # kv_layout, MixerContext.key_mask; MixerContext.causal (1.4)
     bidirectional = True
 
     def kv_heads(self, shape: ModelShape) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Literal
 
 from pydantic import field_validator
 
-from lmlab.api import Field, Record, UserError
+from lmlab.api import ChatTemplate, Field, Record, UserError
 from lmlab_data.files import READ_ERRORS, FileSource, FilesOptions, open_text, read_error
 
 PROMPT_INPUT = (
@@ -72,7 +72,7 @@ class AlpacaOptions(FilesOptions):
 class Alpaca(FileSource):
     Options = AlpacaOptions
     yields_records = True  # API 1.6: what an objective can check before reading
-    api = ">=1.6,<2"  # yields_records; Record (1.3)
+    api = ">=1.8,<2"  # chat_template
 
     def __init__(self, options: AlpacaOptions | None = None):
         super().__init__(options)
@@ -125,14 +125,16 @@ class Alpaca(FileSource):
         given = raw.get("input") or ""
         if not isinstance(given, str):
             return self._bad(where, "field 'input' is not a string")
+        prompt = self.chat_template().render(raw["instruction"], given)
+        return Record.prompt_response(prompt, raw["output"] + self.options.response_end)
+
+    def chat_template(self) -> ChatTemplate:
         o = self.options
         with_input, without_input = TEMPLATES[o.template]
-        if given.strip():
-            template = o.prompt_template if o.prompt_template is not None else with_input
-        else:
-            template = o.prompt_template_no_input if o.prompt_template_no_input is not None else without_input
-        prompt = template.replace("{instruction}", raw["instruction"]).replace("{input}", given)
-        return Record.prompt_response(prompt, raw["output"] + o.response_end)
+        return ChatTemplate(prompt=o.prompt_template if o.prompt_template is not None else with_input,
+                            prompt_no_input=(o.prompt_template_no_input if o.prompt_template_no_input is not None
+                                             else without_input),
+                            stop=o.response_end or None)
 
     def _bad(self, where: str, why: str) -> None:
         if self.options.bad_record == "fail":

@@ -1,1 +1,1 @@
-"""Decoding methods for lmlab (entry points ``greedy`` and ``sample``)."""
+"""Decoding methods for lmlab (entry points ``greedy``, ``sample``, ``beam`` and ``speculative``)."""

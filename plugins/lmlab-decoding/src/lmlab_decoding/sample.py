@@ -10,11 +10,11 @@ Hugging Face. The kept tokens are renormalised by the softmax.
 
 import torch
 
-from lmlab.api import Field, Options
+from lmlab.api import DecodingOptions, Field
 from lmlab_decoding.stepwise import StepwiseDecoder
 
 
-class SampleOptions(Options):
+class SampleOptions(DecodingOptions):
     temperature: float = Field(1.0, gt=0, help="divides the logits; < 1 sharpens, > 1 flattens")
     top_k: int | None = Field(None, ge=1, help="sample among the k most likely tokens only (unset: all)")
     top_p: float | None = Field(None, gt=0, le=1, help="sample within the smallest set of mass >= top_p (unset: all)")

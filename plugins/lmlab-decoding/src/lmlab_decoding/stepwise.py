@@ -1,39 +1,39 @@
 """The loop shared by decoders that pick one token per step from the next-token logits.
 
-The model is fed through ``lmlab.api.Stepper``: the prompt once, then one token per step against
-its inference cache (KV cache), with a sliding window once the text outgrows the model's context.
-All rows of the batch advance together; a row that has emitted ``eos_id`` is finished and is
-padded with ``eos_id`` until every row is finished or ``max_new_tokens`` is reached.
+Every prompt gets a row of the engine (``lmlab.api.Engine``): the prompts are fed once, then each
+step feeds one token per unfinished row and picks the next from its logits. Rows advance together
+whatever their lengths; a prompt that is finished (EOS, a stop string, its token limit) leaves the
+batch and its row is released at once, so the others' steps get cheaper.
 """
+
+from typing import Iterator
 
 import torch
 
-from lmlab.api import Decoder, LanguageModel, Stepper
+from lmlab.api import Decoder, Engine, Outputs
 
 
 class StepwiseDecoder(Decoder):
     """Subclasses say how to choose the next token; this class runs the loop."""
 
+    api = ">=1.8,<2"  # Decoder.decode over an Engine
+
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """logits (B, V) float32 → next token ids (B,)."""
         raise NotImplementedError
 
-    def generate(self, model: LanguageModel, prompt: torch.Tensor, max_new_tokens: int,
-                 eos_id: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        B, T = prompt.shape
-        if max_new_tokens <= 0:
-            return prompt
-        stepper = Stepper(model, B, T + max_new_tokens)
-        logits = stepper.start(prompt)  # (B, V)
-        finished = torch.zeros(B, dtype=torch.bool, device=prompt.device)
-        new = []
-        for i in range(max_new_tokens):
-            token = self.choose(logits.float(), generator)  # (B,)
-            if eos_id is not None:
-                token = token.masked_fill(finished, eos_id)
-                finished |= token == eos_id
-            new.append(token)
-            if i == max_new_tokens - 1 or (eos_id is not None and bool(finished.all())):
-                break  # no logits needed after the last token
-            logits = stepper.step(token)
-        return torch.cat([prompt, torch.stack(new, dim=1).to(prompt.dtype)], dim=1)  # (B, T + n)
+    def decode(self, engine: Engine, prompts: list[list[int]], outputs: Outputs,
+               generator: torch.Generator | None = None) -> Iterator[dict[int, list[int]]]:
+        rows, logits = engine.add(prompts)
+        live = list(range(len(prompts)))  # prompt indices, in the order of logits' rows
+        while True:
+            tokens = self.choose(logits, generator)  # (B,)
+            yield {i: [t] for i, t in zip(live, tokens.tolist())}
+            keep = [j for j, i in enumerate(live) if not outputs.done(i)]
+            if len(keep) < len(live):
+                engine.release([rows[i] for j, i in enumerate(live) if outputs.done(i)])
+                if not keep:
+                    return
+                live = [live[j] for j in keep]
+                tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            logits = engine.step([rows[i] for i in live], tokens[:, None])[:, -1]

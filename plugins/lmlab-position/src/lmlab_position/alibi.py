@@ -42,6 +42,7 @@ class ALiBi(PositionModule):
     """Adds -slope_h · |q_pos - k_pos| to the scores of head h; no parameters, nothing saved."""
 
     biases = True
+    per_row = True
     max_positions = None  # a linear penalty exists for every distance
 
     def __init__(self, n_heads: int):
@@ -51,12 +52,14 @@ class ALiBi(PositionModule):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)
 
     def attention_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        distance = (q_positions[:, None] - k_positions[None, :]).abs().float()                 # (Tq, Tk)
-        return -self.slopes.float()[:, None, None] * distance                                  # (H, Tq, Tk)
+        distance = (q_positions[..., None] - k_positions).abs().float()                        # ([B,] Tq, Tk)
+        return -self.slopes.float()[:, None, None] * distance.unsqueeze(-3)                    # ([B,] H, Tq, Tk)
 
 
 class ALiBiPosition(Position):
     """``alibi``: per-head linear distance penalties on the attention scores (Press et al. 2022)."""
+
+    api = ">=1.8,<2"  # per_row
 
     def build(self, shape: ModelShape) -> ALiBi:
         return ALiBi(shape.n_heads)

@@ -16,6 +16,7 @@ class LearnedPositionEmbedding(PositionModule):
     """x + wpe[positions], with wpe an (block_size, d_model) table."""
 
     adds_embedding = True
+    per_row = True
 
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -25,7 +26,7 @@ class LearnedPositionEmbedding(PositionModule):
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # The model refuses positions beyond max_positions before calling (no device sync here).
-        return x + self.wpe(positions)  # (B, T, C) + (T, C)
+        return x + self.wpe(positions)  # (B, T, C) + (T, C), or (B, T, C) for per-row positions
 
     def reset_parameters(self, shape: ModelShape) -> None:
         nn.init.normal_(self.wpe.weight, mean=0.0, std=shape.init_std)
@@ -33,6 +34,8 @@ class LearnedPositionEmbedding(PositionModule):
 
 class LearnedPosition(Position):
     """``learned``: GPT-2's trained position table, added to the token embeddings."""
+
+    api = ">=1.8,<2"  # per_row
 
     def build(self, shape: ModelShape) -> LearnedPositionEmbedding:
         return LearnedPositionEmbedding(shape)

@@ -12,11 +12,14 @@ from lmlab.api import ModelShape, Position, PositionModule
 class NoPositionModule(PositionModule):
     """The base class's defaults: embed, rotate and attention_bias change nothing."""
 
+    per_row = True  # the defaults ignore positions, whatever their shape
     max_positions = None
 
 
 class NoPosition(Position):
     """``none``: leave token order to the mixer."""
+
+    api = ">=1.8,<2"  # per_row
 
     def build(self, shape: ModelShape) -> NoPositionModule:
         return NoPositionModule()

@@ -28,6 +28,7 @@ class RotaryEmbedding(PositionModule):
     """Rotates q (B, H, T, hs) and k (B, Hkv, T, hs) by their positions."""
 
     rotates = True
+    per_row = True
     max_positions = None  # angles exist for every position
 
     def __init__(self, head_dim: int, base: float):
@@ -35,8 +36,10 @@ class RotaryEmbedding(PositionModule):
         self.head_dim, self.base = head_dim, base
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = angles(positions, self.head_dim, self.base)                     # (T, hs/2) float32
-        emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, hs): pair i and i + hs/2 share an angle
+        freqs = angles(positions, self.head_dim, self.base)                     # (T, hs/2) or (B, T, hs/2) float32
+        emb = torch.cat((freqs, freqs), dim=-1)                                 # pair i and i + hs/2 share an angle
+        if emb.dim() == 3:  # per-row positions: (B, 1, T, hs), one row's angles for all its heads
+            emb = emb[:, None]
         return emb.cos(), emb.sin()
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
@@ -55,6 +58,7 @@ class RotaryPosition(Position):
     """``rope``: rotate queries and keys by position (RoFormer)."""
 
     Options = RotaryPositionOptions
+    api = ">=1.8,<2"  # per_row
 
     def build(self, shape: ModelShape) -> RotaryEmbedding:
         if shape.head_dim % 2:

@@ -22,16 +22,18 @@ from lmlab_position.angles import angles
 
 
 def sinusoids(positions: torch.Tensor, d_model: int, base: float) -> torch.Tensor:
-    """positions (T,) → (T, d_model) float32 encoding, sin in even and cos in odd dimensions."""
-    theta = angles(positions, d_model, base)                                    # (T, ceil(d/2))
-    # stack → (T, ceil(d/2), 2) → flatten interleaves: sin, cos, sin, cos, ...; an odd d drops the last cos
-    return torch.stack((theta.sin(), theta.cos()), dim=-1).flatten(1)[:, :d_model]
+    """positions (T,) or (B, T) → (T, d_model) or (B, T, d_model) float32 encoding, sin in even and cos
+    in odd dimensions."""
+    theta = angles(positions, d_model, base)                                    # ([B,] T, ceil(d/2))
+    # stack → (..., ceil(d/2), 2) → flatten interleaves: sin, cos, sin, cos, ...; an odd d drops the last cos
+    return torch.stack((theta.sin(), theta.cos()), dim=-1).flatten(-2)[..., :d_model]
 
 
 class SinusoidalEncoding(PositionModule):
     """x + PE[positions], with PE computed on the fly (no parameters, no buffers)."""
 
     adds_embedding = True
+    per_row = True
     max_positions = None  # the formula covers every position
 
     def __init__(self, d_model: int, base: float):
@@ -41,7 +43,7 @@ class SinusoidalEncoding(PositionModule):
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Computed per call: (T, C) sin/cos cost little next to a block, need no bounds check and
         # keep checkpoints free of derived tensors.
-        return x + sinusoids(positions, self.d_model, self.base).to(x.dtype)  # (B, T, C) + (T, C)
+        return x + sinusoids(positions, self.d_model, self.base).to(x.dtype)  # (B, T, C) + (T, C) or (B, T, C)
 
 
 class SinusoidalPositionOptions(Options):
@@ -52,6 +54,7 @@ class SinusoidalPosition(Position):
     """``sinusoidal``: the transformer's fixed sin/cos encoding added to the embeddings."""
 
     Options = SinusoidalPositionOptions
+    api = ">=1.8,<2"  # per_row
 
     def build(self, shape: ModelShape) -> SinusoidalEncoding:
         return SinusoidalEncoding(shape.d_model, self.options.base)

@@ -1,0 +1,88 @@
+"""Running a decoder over a batch of prompts: as token ids (``Decoder.generate``) or as streamed text.
+
+Plugins are resolved once, before the loop: the decoder drives the engine, and the engine calls the
+model; nothing is looked up per token.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from lmlab.generation.engine import make_engine
+from lmlab.generation.outputs import Outputs
+
+
+def run_decoder(decoder, engine, prompts: list[list[int]], outputs: Outputs,
+                generator: torch.Generator | None = None) -> Iterator[list[int]]:
+    """Drive ``decoder.decode``, recording what it yields; yields the prompt indices that got tokens."""
+    for made in decoder.decode(engine, prompts, outputs, generator):
+        for i, tokens in made.items():
+            outputs.record(i, tokens)
+        yield list(made)
+    for i in range(len(outputs)):
+        outputs.finish(i)
+
+
+@torch.no_grad()
+def generate_tensor(decoder, model, prompt: torch.Tensor, max_new_tokens: int, eos_id: int | None = None,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """``Decoder.generate``'s default: prompt (B, T) → (B, T + n), rows that ended early padded with eos_id."""
+    B, T = prompt.shape
+    if max_new_tokens <= 0:
+        return prompt
+    engine = make_engine(model, B * decoder.rows_per_prompt(), T + max_new_tokens)
+    outputs = Outputs(None, [max_new_tokens] * B, eos_id=eos_id)
+    for _ in run_decoder(decoder, engine, prompt.tolist(), outputs, generator):
+        pass
+    rows = []
+    for c in outputs.completions:
+        rows.append(c.tokens + ([eos_id] if c.finish_reason == "stop" and eos_id is not None else []))
+    n = max(len(r) for r in rows)
+    pad = eos_id if eos_id is not None else 0
+    new = torch.tensor([r + [pad] * (n - len(r)) for r in rows], dtype=prompt.dtype, device=prompt.device)
+    return torch.cat([prompt, new.view(B, n)], dim=1)
+
+
+@dataclass
+class Generation:
+    outputs: Outputs
+    seconds: float
+    tokens: int  # tokens made, over every prompt
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@torch.no_grad()
+def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens: int, *, stop: list[str] = (),
+                   seed: int = 0, cache: str = "contiguous", block_size: int = 16, cuda_graph: bool = False,
+                   on_text: Callable[[int, str], None] | None = None) -> Generation:
+    """Continue every prompt; ``on_text(i, text)`` receives prompt i's text as it becomes final."""
+    encoded = [list(tokenizer.encode(p)) or [tokenizer.eos_id or 0] for p in prompts]
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    longest = max(len(ids) for ids in encoded) + max_new_tokens
+    engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest, cache=cache, block_size=block_size,
+                         cuda_graph=cuda_graph)
+    outputs = Outputs(tokenizer, [max_new_tokens] * len(prompts), stop=[list(stop)] * len(prompts),
+                      eos_id=tokenizer.eos_id)
+    was_training = model.training
+    model.eval()
+    started = time.perf_counter()
+    try:
+        for touched in run_decoder(decoder, engine, encoded, outputs, generator):
+            if on_text is not None:
+                for i in touched:
+                    if text := outputs.delta(i):
+                        on_text(i, text)
+        if on_text is not None:
+            for i in range(len(prompts)):
+                if text := outputs.delta(i):
+                    on_text(i, text)
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - started
+    return Generation(outputs, seconds, sum(len(c.tokens) for c in outputs.completions))

@@ -1,0 +1,235 @@
+"""The HTTP side of ``lmlab serve``: OpenAI's routes on FastAPI, served by uvicorn.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (for a run with a chat template),
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``. With ``"stream": true`` a completion
+comes as server-sent events, ``data: {json}\\n\\n`` chunks ending with ``data: [DONE]``; a client that
+goes away mid-stream frees its row at the scheduler's next step. Every refusal is the OpenAI error
+object with a 4xx status (a failure of the model while decoding: 500, ``server_error``); none of
+them stops the server.
+"""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from lmlab.errors import UserError
+from lmlab.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
+from lmlab.serve.scheduler import Job
+
+
+def create_app(service, scheduler_thread: bool = True) -> FastAPI:
+    """The app over ``service`` (a :class:`~lmlab.serve.service.Service`). With ``scheduler_thread``
+    its scheduler runs in a background thread while the app does; else the caller runs it."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if scheduler_thread:
+            service.start()
+        try:
+            yield
+        finally:
+            if scheduler_thread:
+                service.stop()
+
+    app = FastAPI(title="lmlab serve", description=f"OpenAI-compatible endpoint for {service.model_id}",
+                  lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def refused(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, code=code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        return JSONResponse(error_body(f"{first['msg']} at {list(first['loc'])}"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    def model_card() -> dict:
+        return {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "lmlab"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        service.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await request.body())
+        job = service.completion_job(body)
+        return await _respond(service, job, body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(ChatRequest, await request.body())
+        job = service.chat_job(body)
+        return await _respond(service, job, body, request, chat=True)
+
+    return app
+
+
+async def _respond(service, job: Job, body, request: Request, chat: bool):
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": service.model_id}
+    if body.stream:
+        return StreamingResponse(_stream(service, job, meta, chat, body.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finished = False
+    _submit(service, job)
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=1)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None  # nobody to answer; the finally gives the row back
+                continue
+            if kind == "done":
+                finished = True
+                break
+            if kind == "error":
+                raise ApiError(500, payload, type="server_error")
+    finally:
+        if not finished:
+            service.scheduler.cancel(job)  # the handler was cancelled (client gone) or failed
+    c = job.completion
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                  "finish_reason": c.finish_reason}
+        return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(job)}
+    choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(job)}
+
+
+def _submit(service, job: Job) -> None:
+    job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+    service.scheduler.submit(job)
+
+
+def _usage(job: Job) -> dict:
+    made = len(job.completion.tokens)
+    return {"prompt_tokens": len(job.ids), "completion_tokens": made, "total_tokens": len(job.ids) + made}
+
+
+async def _stream(service, job: Job, meta: dict, chat: bool, include_usage: bool):
+    """The SSE body; submitted only once the response starts, so a request never sent never runs."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(data) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def chunk(text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return event({**meta, "object": obj, "choices": [choice]})
+
+    finished = False
+    _submit(service, job)
+    try:
+        if chat:
+            yield chunk(role=True)
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "text":
+                yield chunk(payload)
+            elif kind == "done":
+                finished = True
+                yield chunk(finish=job.completion.finish_reason)
+                if include_usage:
+                    yield event({**meta, "object": obj, "choices": [], "usage": _usage(job)})
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                finished = True
+                yield event(error_body(payload, "server_error"))
+                return
+    finally:
+        if not finished:
+            service.scheduler.cancel(job)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one); a UserError when the address is taken or unknown."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", key="--port") from exc
+    return sock
+
+
+def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 32, cache: str = "paged",
+          model_name: str | None = None, overrides: list[str] = ()) -> int:
+    """``lmlab serve``: load the run, print the URL, serve until Ctrl-C (then 0).
+
+    uvicorn runs in a background thread and the scheduler in this one, the thread that loaded the
+    model (see :meth:`~lmlab.serve.scheduler.Scheduler.run`); Ctrl-C ends the scheduler here, whose
+    open requests are told the server is shutting down, then uvicorn."""
+    import uvicorn
+
+    from lmlab.serve.service import Service
+
+    service = Service.from_run(Path(run_dir), overrides=overrides, model_name=model_name, max_batch=max_batch,
+                               cache=cache)
+    sock = listen(host, port)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    chat = "completions and chat" if service.template is not None else "completions (no chat template)"
+    print(f"lmlab serve: model {service.model_id!r}, {service.context} tokens of context, {chat}; up to "
+          f"{max_batch} requests decoded together ({cache} cache)", flush=True)
+    print(f"lmlab serve: http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(service, scheduler_thread=False), log_level="info",
+                                           timeout_graceful_shutdown=3))
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            service.scheduler.stop()  # the server ended on its own (it failed): so does the scheduler
+
+    thread = threading.Thread(target=http, name="lmlab-serve-http", daemon=True)
+    thread.start()
+    interrupted = False
+    try:
+        service.scheduler.run()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+    return 0 if interrupted or server.started else 1

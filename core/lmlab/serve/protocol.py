@@ -1,0 +1,239 @@
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions``, and the OpenAI error object.
+
+Bodies are parsed strictly (a number given as a string is refused, as OpenAI does); fields OpenAI
+defines that this server does not implement are accepted at their neutral value (``logprobs: null``,
+penalties of 0, ``best_of: 1``...) and refused otherwise, rather than silently ignored. Unknown
+fields are ignored. ``seed`` and ``user`` are accepted and ignored: the server samples every request
+from one shared, seeded generator, so a request's seed cannot make it reproducible.
+
+Every refusal is an :class:`ApiError`, sent as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ApiError(Exception):
+    """A refused request: its HTTP status and the OpenAI error object's fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What both endpoints take: the model, the length, sampling, stops and streaming."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    seed: int | None = None  # accepted, ignored (one shared generator)
+    user: str | None = None  # accepted, ignored
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check(self) -> None:
+        """Refuse values the types allow but the server does not (OpenAI's ranges, n = 1, no penalties)."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise ApiError(400, f"temperature must be between 0 and 2, got {self.temperature}", "temperature")
+        if self.top_p is not None and not 0 <= self.top_p <= 1:
+            raise ApiError(400, f"top_p must be between 0 and 1, got {self.top_p}", "top_p")
+        if self.n is not None and self.n != 1:
+            raise ApiError(400, f"n must be 1 (one completion per request), got {self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported (only 0)", name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+        for s in self.stops():
+            if s == "":
+                raise ApiError(400, "a stop string cannot be empty", "stop")
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def sampling_temperature(self) -> float:
+        return 1.0 if self.temperature is None else float(self.temperature)
+
+    @property
+    def sampling_top_p(self) -> float:
+        return 1.0 if self.top_p is None else float(self.top_p)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt (a string, or a list holding one string)."""
+
+    prompt: str | list[str]
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ApiError(400, f"one prompt per request (a string, or a list of one string); got a list of "
+                                f"{len(self.prompt)}", "prompt")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of must be 1", "best_of")
+        if self.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        if self.logprobs is not None:
+            raise ApiError(400, "logprobs is not supported", "logprobs")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what
+    the context leaves after the prompt."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
+        super().check()
+        if not self.messages:
+            raise ApiError(400, "messages must hold at least one message", "messages")
+        if self.messages[-1].role != "user":
+            raise ApiError(400, f"the last message must be the user's (got {self.messages[-1].role!r}): the model "
+                                "answers the last user message", "messages")
+        if self.logprobs or self.top_logprobs:
+            raise ApiError(400, "logprobs is not supported", "logprobs")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ApiError(400, "tools are not supported", "tools")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format is not supported (only {\"type\": \"text\"})", "response_format")
+
+    def instruction(self) -> str:
+        """The last user message: the instruction of the run's template."""
+        return self.messages[-1].text
+
+    def given(self) -> str:
+        """The system (or developer) messages, joined: the input of the run's template."""
+        return "\n".join(m.text for m in self.messages if m.role in ("system", "developer"))
+
+
+def parse(model: type[_Body], body: bytes) -> Any:
+    """A request body: JSON, an object, of ``model``'s shape and values (its ``check``); else ApiError."""
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+        raise ApiError(400, f"the request body is not valid JSON: {why}{where}", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
+    try:
+        request = model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    request.check()
+    return request
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """Pydantic's errors for the first parameter at fault, as OpenAI words them: the parameter named."""
+    errors = exc.errors()
+    param, _ = _where(errors[0]["loc"])
+    if errors[0]["type"] == "missing":
+        return ApiError(400, f"missing required parameter: {param!r}", param)
+    # A union (str | list[str]) reports one error per member: say them all.
+    reasons = []
+    for e in errors:
+        at, rest = _where(e["loc"])
+        if at == param:
+            reasons.append(f"{rest}: {e['msg']}" if rest else e["msg"])
+    value = errors[0].get("input")
+    try:
+        shown = f" (got {json.dumps(value)[:80]})"
+    except (TypeError, ValueError):
+        shown = ""
+    return ApiError(400, f"invalid value for {param!r}: {'; or '.join(reasons)}{shown}", param)
+
+
+def _where(loc: tuple) -> tuple[str, str]:
+    """(the parameter, the rest) of an error's location: the parameter ends at a union member's tag."""
+    names = [f"[{p}]" if isinstance(p, int) else str(p) for p in loc]
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _TAG.search(part):
+            return _join(names[:i]), _join(names[i + 1:])
+    return _join(names), ""
+
+
+def _join(names: list[str]) -> str:
+    out = ""
+    for n in names:
+        out += n if n.startswith("[") or not out else f".{n}"
+    return out
+
+
+_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|[\[\]-]|^[A-Z]")

@@ -1,0 +1,124 @@
+"""The served run: its model behind a :class:`~lmlab.serve.scheduler.Scheduler`, its tokenizer, its
+context and (for an instruction-tuned run) its chat template; requests become scheduler jobs here.
+
+The context is the model's position limit (``model.max_context``), or its ``block_size`` when the
+position scheme has none. A prompt must leave room for one new token; generation itself may run
+past the context (the engine keeps the last tokens that fit, as ``lmlab generate`` does).
+"""
+
+import threading
+import time
+from pathlib import Path
+
+from lmlab.errors import UserError
+from lmlab.generation.outputs import Outputs
+from lmlab.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from lmlab.serve.scheduler import Job, Scheduler
+
+
+class LockedTokenizer:
+    """A tokenizer shared by the handlers (encode) and the scheduler thread (decode), one call at a time:
+    not every tokenizer library allows concurrent calls on one object."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+        self.eos_id = tokenizer.eos_id
+        self.vocab_size = tokenizer.vocab_size
+        self._lock = threading.Lock()
+
+    def encode(self, text: str):
+        with self._lock:
+            return self.inner.encode(text)
+
+    def decode(self, ids):
+        with self._lock:
+            return self.inner.decode(ids)
+
+
+class Service:
+    """What the HTTP app serves: one model under one id."""
+
+    def __init__(self, model, tokenizer, *, model_id: str, template=None, data_name: str | None = None,
+                 max_batch: int = 32, cache: str = "paged", block_size: int = 16, n_blocks: int | None = None,
+                 seed: int = 0):
+        self.model_id = model_id
+        self.tokenizer = LockedTokenizer(tokenizer)
+        self.template = template
+        self.data_name = data_name
+        self.context = model.max_context if model.max_context is not None else model.block_size
+        self.scheduler = Scheduler(model, self.context, max_batch=max_batch, cache=cache, block_size=block_size,
+                                   n_blocks=n_blocks, seed=seed)
+        self.created = int(time.time())
+
+    @classmethod
+    def from_run(cls, run_dir: Path, *, overrides: list[str] = (), model_name: str | None = None,
+                 **settings) -> "Service":
+        """The run in ``run_dir`` (a UserError for a folder that is not a run, or a bidirectional model)."""
+        from lmlab.trained import load_run, refuse_bidirectional
+
+        run = load_run(Path(run_dir), list(overrides))
+        refuse_bidirectional(run.objective)
+        data = run.plugins.get("data")
+        template = data.chat_template() if data is not None and hasattr(data, "chat_template") else None
+        decoding = getattr(run.plugins.get("decoding"), "options", None)
+        settings.setdefault("block_size", getattr(decoding, "block_size", 16))
+        name = model_name or Path(run_dir).resolve().name
+        return cls(run.model.eval(), run.tokenizer, model_id=name, template=template,
+                   data_name=getattr(data, "name", None), **settings)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # -- requests to jobs ------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_id!r} "
+                                "(GET /v1/models)", "model", "model_not_found")
+
+    def encode(self, text: str) -> list[int]:
+        """The prompt's token ids (an empty prompt starts from the end-of-text token, as ``lmlab generate``)."""
+        try:
+            ids = [int(i) for i in self.tokenizer.encode(text)]
+        except UserError as exc:
+            raise ApiError(400, f"the prompt cannot be tokenised: {exc}", "prompt", "invalid_prompt") from None
+        if not ids:
+            if text:
+                raise ApiError(400, "the prompt has no token this model's tokenizer knows", "prompt", "invalid_prompt")
+            ids = [self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0]
+        if len(ids) >= self.context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} tokens, "
+                                "and a prompt must leave room for at least one new token",
+                           "prompt", "context_length_exceeded")
+        return ids
+
+    def completion_job(self, request: CompletionRequest) -> Job:
+        self.check_model(request.model)
+        ids = self.encode(request.text)
+        max_tokens = request.max_tokens if request.max_tokens is not None else 16
+        return self._job(ids, max_tokens, request, request.stops())
+
+    def chat_job(self, request: ChatRequest) -> Job:
+        self.check_model(request.model)
+        if self.template is None:
+            raise ApiError(400, f"this run has no chat template: its data source ({self.data_name or 'unknown'}) "
+                                "gives none, so chat completions are not offered; use /v1/completions, or serve a "
+                                "run instruction-tuned on a data source with one (e.g. data.use = \"alpaca\")",
+                           "messages", "chat_template_missing")
+        prompt = self.template.render(request.instruction(), request.given())
+        try:
+            ids = self.encode(prompt)
+        except ApiError as exc:
+            exc.param = "messages"
+            raise
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.context - len(ids)
+        stops = ([self.template.stop] if self.template.stop else []) + request.stops()
+        return self._job(ids, max_tokens, request, stops)
+
+    def _job(self, ids: list[int], max_tokens: int, request, stops: list[str]) -> Job:
+        outputs = Outputs(self.tokenizer, [max_tokens], stop=[stops], eos_id=self.tokenizer.eos_id)
+        return Job(ids=ids, max_tokens=max_tokens, temperature=request.sampling_temperature,
+                   top_p=request.sampling_top_p, outputs=outputs, stream=bool(request.stream))

@@ -1,0 +1,74 @@
+"""``lmlab generate``: streamed text, a file of prompts as one batch, and bad input refused with exit 2."""
+
+import json
+import shutil
+
+import pytest
+
+from lmlab.cli.main import main
+
+
+def generate(run_dir, *args) -> list[str]:
+    return ["generate", str(run_dir), "--max-new-tokens", "24", *args]
+
+
+def test_a_file_of_prompts_is_one_batch_whose_texts_equal_each_prompt_alone(trained_run, tmp_path, capsys):
+    prompts = ["ROMEO:", "First Citizen: We are", "O", "KING HENRY VI: What says"]  # one per line
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    assert main(generate(trained_run, "--prompts", str(path))) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["prompt"] for line in lines] == prompts
+    assert "tokens/s" in captured.err and "4 prompts" in captured.err
+    for line in lines:
+        assert main(generate(trained_run, "--prompt", line["prompt"])) == 0
+        assert capsys.readouterr().out == line["prompt"] + line["text"] + "\n"
+
+
+def test_jsonl_prompts_and_the_paged_cache_give_the_same_texts(trained_run, tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ["ROMEO:", "To be, or"]) + "\n")
+    texts = {}
+    for cache in ("contiguous", "paged"):
+        assert main(generate(trained_run, "--prompts", str(path), "--cache", cache)) == 0
+        texts[cache] = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+    assert texts["contiguous"] == texts["paged"] and len(texts["paged"]) == 2
+
+
+def test_a_stop_string_ends_the_text_before_it(trained_run, capsys):
+    assert main(generate(trained_run, "--prompt", "ROMEO:")) == 0
+    full = capsys.readouterr().out[len("ROMEO:"):-1]
+    stop = full[5:7]
+    assert main(generate(trained_run, "--prompt", "ROMEO:", "--stop", stop)) == 0
+    assert capsys.readouterr().out == "ROMEO:" + full[:full.index(stop)] + "\n"
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--stop", ""], "--stop"),
+    (["--set", "decoding.use=beam", "--set", "decoding.width=0"], "decoding.width"),
+    (["--prompts", "missing.txt"], "--prompts"),
+])
+def test_bad_input_is_one_line_and_exit_2(trained_run, args, key, capsys):
+    assert main(generate(trained_run, *args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_a_draft_with_another_tokenizer_is_refused_naming_the_option(trained_run, tmp_path, capsys):
+    draft = shutil.copytree(trained_run, tmp_path / "draft")
+    vocab_file = draft / "tokenizer" / "char_vocab.json"
+    vocab = json.loads(vocab_file.read_text())
+    vocab["chars"][-1], vocab["chars"][-2] = vocab["chars"][-2], vocab["chars"][-1]
+    vocab_file.write_text(json.dumps(vocab))
+    assert main(generate(trained_run, "--set", "decoding.use=speculative", "--set", f"decoding.draft={draft}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "decoding.draft" in err and "different tokenizer" in err and len(err.splitlines()) == 1
+
+
+def test_speculative_decoding_with_the_run_as_its_own_draft_gives_the_greedy_text(trained_run, capsys):
+    assert main(generate(trained_run, "--prompt", "ROMEO:")) == 0
+    greedy = capsys.readouterr().out
+    assert main(generate(trained_run, "--prompt", "ROMEO:", "--set", "decoding.use=speculative",
+                         "--set", f"decoding.draft={trained_run}")) == 0
+    assert capsys.readouterr().out == greedy

@@ -1,0 +1,552 @@
+"""``lmlab serve``: OpenAI's completions and chat over HTTP, streamed or not, with continuous batching.
+
+The server runs in this process (uvicorn in a thread, on a free port) over a tiny run trained once
+for the module on Alpaca-style records (so it has a chat template); the real ``openai`` client and
+plain httpx talk to it. Concurrent requests must each get exactly the text they get alone, while the
+scheduler decodes them together.
+"""
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from support import ROOT, run_cli, start_cli, wait_for
+
+MODEL = "tiny-chat"
+
+MANIFEST = """
+name = "chat"
+seed = 1
+
+[data]
+use = "alpaca"
+path = "records.jsonl"
+template = "compact"
+response_end = "\\n"
+
+[model]
+n_layers = 2
+d_model = 48
+n_heads = 4
+block_size = 64
+
+[optimizer]
+use = "adamw"
+lr = 3e-3
+
+[train]
+max_steps = 150
+batch_size = 8
+warmup_steps = 10
+eval_every = 150
+checkpoint_every = 150
+eval_steps = 2
+log_every = 50
+sample_tokens = 0
+
+[tracker]
+use = "none"
+"""
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory) -> Path:
+    """A run folder trained (causal-lm, 150 steps) on instruction records in the compact template."""
+    root = tmp_path_factory.mktemp("serve")
+    rng = random.Random(0)
+    records = []
+    for i in range(200):
+        word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 8)))
+        if i % 2:
+            records.append({"instruction": "Reverse the word.", "input": word, "output": word[::-1]})
+        else:
+            records.append({"instruction": f"Say {word} twice.", "input": "", "output": f"{word} {word}"})
+    (root / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "chat.toml").write_text(MANIFEST)
+    done = run_cli("run", str(root / "chat.toml"), "--out", str(root / "runs"),
+                   env={"LMLAB_CACHE": str(root / "cache")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root / "runs" / "default"
+
+
+@pytest.fixture(scope="module")
+def run(chat_run):
+    from lmlab.trained import load_run
+
+    return load_run(chat_run)
+
+
+def make_service(run, **settings):
+    from lmlab.serve.service import Service
+
+    settings.setdefault("template", run.plugins["data"].chat_template())
+    return Service(run.model, run.tokenizer, model_id=MODEL, data_name="alpaca", **settings)
+
+
+@contextlib.contextmanager
+def serving(service):
+    """The app on a free port of 127.0.0.1 in a background thread; yields its base URL."""
+    import uvicorn
+
+    from lmlab.serve.app import create_app, listen
+
+    sock = listen("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    service = make_service(run, max_batch=16)
+    with serving(service) as url:
+        yield service, url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def sse(response: httpx.Response) -> list:
+    """The events of a server-sent-event body: parsed JSON chunks, then the literal "[DONE]"."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if block:
+            assert block.startswith("data: ") and "\n" not in block, block
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+PROMPTS = [f"Instruction: Say {w} twice.\nResponse: " for w in
+           ("abc", "cab", "hhga", "dead", "bee", "fade", "gag", "ach", "abcdefg", "hg", "fed", "cafe")] + \
+          [f"Instruction: Reverse the word.\nInput: {w}\nResponse: " for w in ("abc", "hgfe", "dabbed", "gh")]
+
+
+# -- routes, completions, streaming --------------------------------------------------------------------
+
+
+def test_health_and_models_list_the_one_model(server):
+    service, url = server
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    c = client(url)
+    assert [m.id for m in c.models.list()] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+
+
+def test_a_streamed_completion_joins_to_the_plain_one(server):
+    service, url = server
+    c = client(url)
+    # 80 new tokens after a 20-token prompt: past the 64-token context, where the engine slides.
+    plain = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=80, temperature=0)
+    assert plain.object == "text_completion" and plain.model == MODEL
+    (choice,) = plain.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text
+    prompt_tokens = len(service.encode(PROMPTS[0]))
+    assert (plain.usage.prompt_tokens, plain.usage.completion_tokens, plain.usage.total_tokens) == \
+        (prompt_tokens, 80, prompt_tokens + 80)
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=80, temperature=0, stream=True))
+    assert len(chunks) > 10 and all(ch.object == "text_completion" for ch in chunks)
+    assert "".join(ch.choices[0].text for ch in chunks) == choice.text
+    assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+def test_the_event_stream_is_data_lines_ending_with_done_and_can_carry_usage(server):
+    service, url = server
+    body = {"model": MODEL, "prompt": [PROMPTS[1]], "max_tokens": 12, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse(response)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert len({ch["id"] for ch in chunks}) == 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    plain = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "stream_options": None}).json()
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == plain["choices"][0]["text"]
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
+    service, url = server
+    c = client(url)
+    text = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0).choices[0].text
+    stop = text[4:6]  # two characters: streamed, the first must be held back until it is not a stop
+    cut = text[:text.find(stop)]
+    for stops in (stop, [stop, "zzz"]):
+        done = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stops)
+        assert (done.choices[0].text, done.choices[0].finish_reason) == (cut, "stop")
+        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stops,
+                                           stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == cut
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampling_at_temperature_one_gives_text_of_the_asked_length(server):
+    service, url = server
+    c = client(url)
+    for top_p in (1.0, 0.5, 0.0):
+        done = c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=1, top_p=top_p, seed=7)
+        assert done.usage.completion_tokens == 10
+    # top_p 0 keeps only the most likely token: greedy
+    greedy = c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0).choices[0].text
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=1.5,
+                                top_p=0).choices[0].text == greedy
+
+
+# -- continuous batching ---------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_each_get_their_text_alone_and_are_decoded_together(server):
+    service, url = server
+    c = client(url)
+    max_tokens = 40
+    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+             for p in PROMPTS]
+    assert len(set(alone)) > 1
+    stats = service.scheduler.stats
+    steps, largest = stats.steps, stats.largest_batch
+    assert largest == 1
+    together: list = [None] * len(PROMPTS)
+    start = threading.Barrier(len(PROMPTS))
+
+    def ask(i: int) -> None:
+        own = client(url)
+        start.wait()
+        if i % 2:  # half of them streamed
+            chunks = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+                                            stream=True)
+            together[i] = "".join(ch.choices[0].text for ch in chunks)
+        else:
+            together[i] = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens,
+                                                 temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+    assert stats.largest_batch > 1
+    # Alone, 16 requests of 40 tokens take 16 x 39 decode steps; together far fewer than the tokens made.
+    assert stats.steps - steps < len(PROMPTS) * max_tokens / 2, (stats.steps - steps, stats.largest_batch)
+
+
+def test_a_request_joins_the_running_batch_and_a_closed_stream_frees_its_row(run):
+    service = make_service(run, max_batch=4)
+    with serving(service) as url:
+        c = client(url)
+        scheduler = service.scheduler
+        short_alone = c.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=5, temperature=0).choices[0].text
+        body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 1_000_000, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as long:
+            lines = long.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            steps = scheduler.stats.steps
+            short = c.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=5, temperature=0)
+            # The short request ran beside the long one, which is still decoding.
+            assert (short.choices[0].text, short.choices[0].finish_reason) == (short_alone, "length")
+            assert scheduler.running == 1 and scheduler.stats.largest_batch == 2
+            assert scheduler.stats.steps > steps
+            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+        # The client went away: its row is given back and decoding stops.
+        deadline = time.monotonic() + 30
+        while scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert scheduler.running == 0 and scheduler.engine.rows_free == 4
+        made = scheduler.stats.tokens
+        time.sleep(0.2)
+        assert scheduler.stats.tokens == made < 1_000_000
+        # A client that stops waiting for a plain (not streamed) answer frees its row too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while (scheduler.running or scheduler.stats.tokens == made) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert scheduler.running == 0 and scheduler.stats.tokens > made
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def test_the_paged_cache_admits_only_what_its_free_blocks_can_hold(run):
+    # Two sequences' worth of blocks (64-token context, blocks of 16: 4 each) for 6 requests that
+    # may each fill the context: at most two decode at once, the others wait for freed blocks.
+    service = make_service(run, max_batch=8, cache="paged", n_blocks=8)
+    prompts = PROMPTS[:6]
+    with serving(service) as url:
+        c = client(url)
+        alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=50, temperature=0).choices[0].text
+                 for p in prompts]
+        together: list = [None] * len(prompts)
+
+        def ask(i: int) -> None:
+            together[i] = client(url).completions.create(model=MODEL, prompt=prompts[i], max_tokens=50,
+                                                         temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert together == alone
+        assert service.scheduler.stats.largest_batch == 2 and not service.scheduler.stats.failures
+        assert service.scheduler.store.available() == 8
+
+
+def test_the_contiguous_cache_serves_the_same_text(run, server):
+    _, shared = server
+    expected = client(shared).completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=20, temperature=0)
+    with serving(make_service(run, max_batch=2, cache="contiguous")) as url:
+        got = client(url).completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=20, temperature=0)
+    assert got.choices[0].text == expected.choices[0].text
+
+
+class Chars:
+    """A character tokenizer over a fixed alphabet, without an end-of-text token."""
+
+    eos_id = None
+
+    def __init__(self, alphabet: str):
+        self.alphabet, self.vocab_size = alphabet, len(alphabet)
+
+    def encode(self, text):
+        return [self.alphabet.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.alphabet[i] for i in ids)
+
+
+def test_a_model_without_a_shared_cache_is_served_row_by_row_with_the_same_text():
+    # mamba keeps its own state (no kv_layout): the scheduler drives a RowEngine, one Stepper a row.
+    from lmlab import discovery
+    from lmlab.api import ModelShape
+    from lmlab.model import LanguageModel
+    from lmlab.serve.protocol import CompletionRequest
+    from lmlab.serve.service import Service
+
+    torch.manual_seed(0)
+    shape = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=32, vocab_size=10)
+    plugins = {slot: discovery.load(slot, name)() for slot, name in
+               (("attention", "mamba"), ("position", "none"), ("ffn", "mlp"))}
+    service = Service(LanguageModel(shape, **plugins).eval(), Chars("abcdefgh \n"), model_id="m", max_batch=4)
+    assert type(service.scheduler.engine).__name__ == "RowEngine" and service.context == 32
+
+    def complete(prompts: list[str]) -> list[str]:
+        jobs = [service.scheduler.submit(service.completion_job(CompletionRequest(model="m", prompt=p, max_tokens=40,
+                                                                                  temperature=0)))
+                for p in prompts]
+        deadline = time.monotonic() + 60
+        while any(j.finished_step is None for j in jobs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return [j.completion.text for j in jobs]
+
+    service.start()
+    try:
+        prompts = ["abc", "hg fe", "a", "bbbbb", "ab ab", "h"]
+        alone = [complete([p])[0] for p in prompts]
+        assert complete(prompts) == alone and len(set(alone)) > 1
+        assert service.scheduler.stats.largest_batch == 4
+    finally:
+        service.stop()
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+
+
+def test_chat_renders_the_runs_template_and_stops_where_training_taught(server):
+    service, url = server
+    c = client(url)
+    messages = [{"role": "system", "content": "hgfe"}, {"role": "user", "content": "Reverse the word."}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    assert chat.object == "chat.completion"
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "stop"
+    # The same as a completion of the template's prompt, cut at its stop ("\n", the response end).
+    prompt = "Instruction: Reverse the word.\nInput: hgfe\nResponse: "
+    completion = c.completions.create(model=MODEL, prompt=prompt, max_tokens=64 - len(service.encode(prompt)),
+                                      temperature=0, stop="\n")
+    assert choice.message.content == completion.choices[0].text and "\n" not in choice.message.content
+    assert chat.usage.prompt_tokens == len(service.encode(prompt))
+    # Streamed: the role first, then the content, then the finish reason.
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, temperature=0, stream=True))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # Without a system message, the template's prompt without input; only the last user turn counts.
+    alone = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say bad twice."}],
+                                      temperature=0, max_tokens=8)
+    later = c.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "Reverse the word."}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": [{"type": "text", "text": "Say bad "}, {"type": "text", "text": "twice."}]}])
+    direct = c.completions.create(model=MODEL, prompt="Instruction: Say bad twice.\nResponse: ", max_tokens=8,
+                                  temperature=0, stop="\n")
+    assert alone.choices[0].message.content == later.choices[0].message.content == direct.choices[0].text
+
+
+def test_chat_is_refused_naming_the_missing_template_on_a_run_without_one(run):
+    with serving(make_service(run, max_batch=2, template=None)) as url:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.status_code == 400 and refused.value.code == "chat_template_missing"
+        assert "chat template" in refused.value.message and "alpaca" in refused.value.message
+        assert client(url).completions.create(model=MODEL, prompt="Say", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_the_alpaca_runs_folder_serves_its_template_and_name(chat_run):
+    from lmlab.serve.service import Service
+
+    service = Service.from_run(chat_run, max_batch=2)
+    assert service.model_id == "default" and service.context == 64
+    assert service.template.render("Do it.", "x") == "Instruction: Do it.\nInput: x\nResponse: "
+    assert service.template.stop == "\n" and service.data_name == "alpaca"
+
+
+# -- bad requests ---------------------------------------------------------------------------------------
+
+LONG = "Instruction: " + "abc " * 20  # 93 characters: past the 64-token context
+
+BAD = [
+    # (route, body, status, param, code)
+    ("completions", b"{\"model\": ", 400, None, "invalid_json"),
+    ("completions", b"[1, 2]", 400, None, None),
+    ("completions", {"prompt": "Say"}, 400, "model", None),
+    ("completions", {"model": "gpt-4", "prompt": "Say"}, 404, "model", "model_not_found"),
+    ("completions", {"model": MODEL}, 400, "prompt", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": 0}, 400, "max_tokens", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": -3}, 400, "max_tokens", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": "5"}, 400, "max_tokens", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "n": 2}, 400, "n", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "temperature": "hot"}, 400, "temperature", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "temperature": 3}, 400, "temperature", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "top_p": 1.5}, 400, "top_p", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "stop": ""}, 400, "stop", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "stop": ["\n", ""]}, 400, "stop", None),
+    ("completions", {"model": MODEL, "prompt": ["Say", "Do"]}, 400, "prompt", None),
+    ("completions", {"model": MODEL, "prompt": [1, 2]}, 400, "prompt", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "logprobs": 2}, 400, "logprobs", None),
+    ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": LONG, "stream": True}, 400, "prompt", "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": "\u20ac"}, 400, "prompt", "invalid_prompt"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, 400, "messages[0].role",
+     None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                       {"role": "assistant", "content": "y"}]}, 400, "messages", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}], "stream": True}, 404,
+     "model", "model_not_found"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", None),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param, code", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_a_bad_request_gets_the_openai_error_object_and_the_server_goes_on(server, route, body, status, param, code):
+    service, url = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{url}/v1/{route}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code), error
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert client(url).completions.create(model=MODEL, prompt="Say", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_openai_client_sees_refusals_as_its_own_errors(server):
+    _, url = server
+    c = client(url)
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.completions.create(model="gpt-4", prompt="Say", max_tokens=2)
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as long:
+        c.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+    assert long.value.code == "context_length_exceeded" and "64" in long.value.message
+    for path, method in (("/v1/nothing", "GET"), ("/v1/completions", "GET")):
+        response = httpx.request(method, f"{url}{path}")
+        assert response.status_code in (404, 405) and set(response.json()["error"]) == {"message", "type", "param",
+                                                                                         "code"}
+
+
+# -- sampling -------------------------------------------------------------------------------------------
+
+
+def test_each_row_is_sampled_with_its_own_temperature_and_top_p():
+    from lmlab.serve.sampling import choose
+
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).repeat(4, 1)
+    logits[3] = torch.log(torch.tensor([0.5, 0.2, 0.3]))  # row 3's most likely token is 0
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.3])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([choose(logits, temperature, top_p, generator) for _ in range(3000)])  # (N, 4)
+    assert (draws[:, 0] == 1).all() and (draws[:, 3] == 0).all()  # temperature 0: the argmax
+    assert (draws[:, 2] == 1).all()  # top_p 0.5: the nucleus is the 0.6 token alone
+    shares = torch.bincount(draws[:, 1], minlength=3) / len(draws)
+    assert torch.allclose(shares, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
+    # temperature sharpens: at 0.5 the 0.6 token takes 0.36 / (0.01 + 0.36 + 0.09) of the mass
+    sharp = torch.stack([choose(logits[1:2], torch.tensor([0.5]), torch.tensor([1.0]), generator)
+                         for _ in range(3000)])
+    assert abs((sharp == 1).float().mean().item() - 0.36 / 0.46) < 0.03
+
+
+# -- the command --------------------------------------------------------------------------------------
+
+
+def test_lmlab_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(chat_run, tmp_path):
+    assert run_cli("serve", str(tmp_path)).returncode == 2  # not a run folder
+    proc = start_cli("serve", str(chat_run), "--port", "0", "--model-name", "mine", "--max-batch", "4",
+                     stdout=subprocess.PIPE)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any("http://" in line for line in lines), proc, timeout=120, what="the URL")
+        base = next(line for line in lines if "http://" in line).split()[2]
+        assert base.startswith("http://127.0.0.1:") and base.endswith("/v1")
+        assert [m.id for m in openai.OpenAI(base_url=base, api_key="unused").models.list()] == ["mine"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_plugins_and_check_import_nothing_of_the_server():
+    probe = ("import sys; from lmlab.cli.main import main; main(['plugins']); "
+             f"main(['check', {str(ROOT / 'experiments' / 'shakespeare-char.toml')!r}, '-q']); "
+             "print('IMPORTED', sorted(m for m in sys.modules if m.startswith('lmlab.serve') "
+             "or m.split('.')[0] in ('fastapi', 'uvicorn', 'starlette')))")
+
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "IMPORTED []"
