@@ -180,6 +180,23 @@ def test_the_cuda_graph_decode_step_equals_the_eager_one():
     assert results[0] == results[1]
 
 
+@pytest.mark.slow
+def test_the_compiled_decode_step_gives_the_eager_tokens():
+    model = model_with("rope", n_kv_heads=2)
+    batch = prompts([3, 11, 6])
+    from lmlab.generation.batch import run_decoder
+
+    results = []
+    for compiled in (False, True):
+        engine = make_engine(model, len(batch), 40, compile=compiled)
+        assert (engine.graphed is not None) == compiled
+        outputs = Outputs(None, [25, 10, 25])  # a row that ends early leaves the others stepping eagerly
+        for _ in run_decoder(greedy(), engine, batch, outputs):
+            pass
+        results.append([c.tokens for c in outputs.completions])
+    assert results[0] == results[1]
+
+
 class Chars:
     """A tokenizer of single characters, for the stop-string tests."""
 

@@ -20,6 +20,8 @@ class DecodingOptions(Options):
     block_size: int = Field(16, ge=1, help="positions per block of the paged cache")
     cuda_graph: bool = Field(False, help="on CUDA, replay the one-token decode step as a captured CUDA graph "
                                          "(contiguous cache); ignored elsewhere")
+    compile: bool = Field(False, help="compile the one-token decode step with torch.compile (contiguous cache, "
+                                      "fixed shapes): seconds of compiling once, then a faster step")
 
 
 class Engine(Protocol):

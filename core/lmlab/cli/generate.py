@@ -82,7 +82,8 @@ def main(args) -> int:
 
     result = generate_texts(run.model, run.tokenizer, decoder, prompts, args.max_new_tokens, stop=args.stop,
                             seed=args.seed, cache=cache, block_size=block_size,
-                            cuda_graph=getattr(decoder.options, "cuda_graph", False), on_text=show)
+                            cuda_graph=getattr(decoder.options, "cuda_graph", False),
+                            compile=getattr(decoder.options, "compile", False), on_text=show)
     if args.prompts is None:
         sys.stdout.write("\n")
         for tokens, score in result.outputs.completions[0].candidates[1:]:

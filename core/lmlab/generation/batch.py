@@ -25,7 +25,7 @@ def run_decoder(decoder, engine, prompts: list[list[int]], outputs: Outputs,
         outputs.finish(i)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all: a decode step is many small operations
 def generate_tensor(decoder, model, prompt: torch.Tensor, max_new_tokens: int, eos_id: int | None = None,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """``Decoder.generate``'s default: prompt (B, T) → (B, T + n), rows that ended early padded with eos_id."""
@@ -56,9 +56,10 @@ class Generation:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens: int, *, stop: list[str] = (),
                    seed: int = 0, cache: str = "contiguous", block_size: int = 16, cuda_graph: bool = False,
+                   compile: bool = False,
                    on_text: Callable[[int, str], None] | None = None) -> Generation:
     """Continue every prompt; ``on_text(i, text)`` receives prompt i's text as it becomes final."""
     encoded = [list(tokenizer.encode(p)) or [tokenizer.eos_id or 0] for p in prompts]
@@ -66,7 +67,7 @@ def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens
     generator = torch.Generator(device=device).manual_seed(seed)
     longest = max(len(ids) for ids in encoded) + max_new_tokens
     engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest, cache=cache, block_size=block_size,
-                         cuda_graph=cuda_graph)
+                         cuda_graph=cuda_graph, compile=compile)
     outputs = Outputs(tokenizer, [max_new_tokens] * len(prompts), stop=[list(stop)] * len(prompts),
                       eos_id=tokenizer.eos_id)
     was_training = model.training

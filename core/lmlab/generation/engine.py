@@ -28,13 +28,13 @@ def supports_rows(model) -> bool:
 
 
 def make_engine(model, rows: int, max_len: int, cache: str = "contiguous", block_size: int = 16,
-                n_blocks: int | None = None, cuda_graph: bool = False):
+                n_blocks: int | None = None, cuda_graph: bool = False, compile: bool = False):
     """The engine for ``model``: :class:`Engine` when its plugins support shared caches, else :class:`RowEngine`."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     if supports_rows(model):
         return Engine(model, rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks,
-                      cuda_graph=cuda_graph)
+                      cuda_graph=cuda_graph, compile=compile)
     return RowEngine(model, max_len)
 
 
@@ -51,11 +51,11 @@ class Engine:
     """Up to ``rows`` sequences of up to ``max_len`` tokens (capped at the model's context)."""
 
     def __init__(self, model, rows: int, max_len: int, cache: str = "contiguous", block_size: int = 16,
-                 n_blocks: int | None = None, cuda_graph: bool = False):
+                 n_blocks: int | None = None, cuda_graph: bool = False, compile: bool = False):
         self.model = model
         self.vocab_size = model.vocab_size
         self.settings = dict(rows=rows, max_len=max_len, cache=cache, block_size=block_size, n_blocks=n_blocks,
-                             cuda_graph=cuda_graph)
+                             cuda_graph=cuda_graph, compile=compile)
         limit = model.max_context
         self.window = max_len if limit is None else min(max_len, limit)
         p = model.head.weight
@@ -71,11 +71,13 @@ class Engine:
         self.history: list[list[int]] = [[] for _ in range(rows)]
         self.free_rows = list(range(rows - 1, -1, -1))
         self._arange = torch.arange(self.window + 1, device=self.device)
+        # The one-token step with fixed shapes (lmlab.generation.static_step), over the contiguous cache.
         self.graphed = None
-        if cuda_graph and cache == "contiguous" and self.device.type == "cuda":
-            from lmlab.generation.cuda_graph import GraphedStep
+        mode = "cuda_graph" if cuda_graph and self.device.type == "cuda" else "compile" if compile else None
+        if mode is not None and cache == "contiguous":
+            from lmlab.generation.static_step import StaticStep
 
-            self.graphed = GraphedStep(self)
+            self.graphed = StaticStep(self, mode)
 
     # -- the lmlab.api.Engine protocol ---------------------------------------------------------------
 
@@ -114,9 +116,9 @@ class Engine:
                 logits[rest] = self.step([rows[i] for i in rest], tokens[rest])
             return logits
         if self.graphed is not None and T == 1 and len(rows) == self.store.rows - len(self.free_rows):
-            # Every row in use steps (a graph writes every row): the captured step, one launch.
+            # Every row in use steps (the static step writes every row): compiled or graphed.
             starts = [self.lengths[r] for r in rows]
-            logits = self.graphed(list(rows), tokens, starts)[:, None]
+            logits = self.graphed(list(rows), tokens, starts)  # (B, 1, V)
             for r, s in zip(rows, starts):
                 self.lengths[r] = s + 1
         else:
@@ -186,14 +188,15 @@ class Engine:
         B, T = tokens.shape
         starts = [self.lengths[r] for r in rows]
         span = max(starts) + T
+        paged = isinstance(self.store, PagedKV)
         for r, s in zip(rows, starts):
             self.store.reserve(r, s + T)
-            if isinstance(self.store, PagedKV):
+            if paged:
                 self.store.make_writable(r, s, s + T)
-        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
         leading = rows == list(range(B))
-        uniform = min(starts) == span - T
-        if uniform:
+        # The contiguous store reads rows 0..B-1 as slices; only other rows need an index tensor.
+        row_index = None if leading and not paged else torch.tensor(rows, dtype=torch.long, device=self.device)
+        if min(starts) == span - T:
             # Equal lengths: the ordinary pass, shared positions and the module's own causal mask.
             positions = self._arange[span - T:span]
             self.cache.positions, self.cache.key_mask = positions, None
@@ -205,6 +208,8 @@ class Engine:
             keys = self._arange[:span]
             self.cache.positions = positions
             self.cache.key_mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+            if row_index is None:
+                row_index = torch.arange(B, device=self.device)
             self.store.plan = Plan(row_index, positions, span, leading)
             self.cache.length = 0
         logits = self.model(tokens, cache=self.cache)

@@ -22,7 +22,7 @@ import torch
 class Plan:
     """One forward pass: rows (B,) int64, positions (B, T) where their tokens go, S keys to return."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None  # None: rows 0..B-1 of a contiguous store, read as slices
     positions: torch.Tensor
     span: int
     leading: bool  # rows are 0..B-1 in order: contiguous reads are views
@@ -91,7 +91,7 @@ class ContiguousKV(KVStore):
     def write_read(self, layer, k, v):
         p = self.plan
         K, V = self.k[layer], self.v[layer]
-        B = p.rows.shape[0]
+        B = p.positions.shape[0]
         if p.leading and p.start is not None:  # the common case (one prompt, or equal lengths): plain slices
             K[:B, :, p.start:p.span] = k
             V[:B, :, p.start:p.span] = v
@@ -119,7 +119,10 @@ class ContiguousKV(KVStore):
 
 
 class PagedKV(KVStore):
-    """A pool of (n_blocks, n_kv_heads, block_size, head_dim) per layer and a block table per row."""
+    """A pool of (n_blocks, block_size, n_kv_heads, head_dim) per layer and a block table per row.
+
+    Positions before heads: a row's gathered blocks (B, n, block_size, H, d) are then its keys in
+    order, one reshape away from (B, S, H, d), which attention reads transposed without a copy."""
 
     kind = "paged"
 
@@ -130,7 +133,7 @@ class PagedKV(KVStore):
         # By default as many blocks as a contiguous cache's positions: the same worst case, but rows
         # take only what they use, so more of them fit (the server admits by free blocks).
         self.n_blocks = n_blocks if n_blocks is not None else rows * self.per_row
-        self.k = [torch.zeros(self.n_blocks, h, block_size, d, device=device, dtype=dtype) for h, d in layouts]
+        self.k = [torch.zeros(self.n_blocks, block_size, h, d, device=device, dtype=dtype) for h, d in layouts]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.free_blocks = list(range(self.n_blocks - 1, -1, -1))
         self.refs = [0] * self.n_blocks
@@ -202,14 +205,13 @@ class PagedKV(KVStore):
         table = self.table.index_select(0, p.rows)                                    # (B, per_row)
         block = table.gather(1, p.positions // bs)                                     # (B, T)
         offset = p.positions % bs
-        K[block, :, offset] = k.transpose(1, 2).to(K.dtype)                            # (B, T, H, d)
-        V[block, :, offset] = v.transpose(1, 2).to(V.dtype)
+        K[block, offset] = k.transpose(1, 2).to(K.dtype)                               # (B, T, H, d)
+        V[block, offset] = v.transpose(1, 2).to(V.dtype)
         n = self.blocks_for(p.span)
-        B = table.shape[0]
-        h, d = K.shape[1], K.shape[3]
+        B, h, d = table.shape[0], K.shape[2], K.shape[3]
         used = table[:, :n]
-        keys = K[used].transpose(1, 2).reshape(B, h, n * bs, d)[:, :, :p.span]        # (B, H, S, d)
-        values = V[used].transpose(1, 2).reshape(B, h, n * bs, d)[:, :, :p.span]
+        keys = K[used].view(B, n * bs, h, d)[:, :p.span].transpose(1, 2)              # (B, H, S, d)
+        values = V[used].view(B, n * bs, h, d)[:, :p.span].transpose(1, 2)
         return keys, values
 
     def reserved_positions(self) -> int:

@@ -1,23 +1,28 @@
-"""The one-token decode step as a captured CUDA graph, replayed over the contiguous cache.
+"""The one-token decode step with fixed shapes: compiled (``torch.compile``) or captured as a CUDA graph.
 
-A decode step of a small model is mostly kernel launches: dozens per layer, each a few microseconds
-of CPU time for microseconds of GPU work. Capturing the step once (``torch.cuda.graph``) and
-replaying it launches them all at once. A graph fixes every shape and address, so the step runs over
-all of the cache's rows and its whole length, with static input buffers and a key mask that hides
-the positions each row has not reached; rows that are free write into their first position, which
-the next prompt to take the row overwrites.
+A decode step of a small model is mostly overhead: dozens of operations per layer, each a few
+microseconds of dispatch (and on a GPU, a kernel launch) for microseconds of work. Given fixed
+shapes, the step can be compiled once into fused kernels (``torch.compile``, on any device) or
+captured once and replayed as a CUDA graph. So the step runs over all of the cache's rows and its
+whole length, with static input buffers and a key mask that hides the positions each row has not
+reached; rows that are free write into their first position, which the next prompt to take the row
+overwrites.
 """
 
 import torch
 
 from lmlab.generation.kv import Plan
 
+MODES = ("compile", "cuda_graph")
 
-class GraphedStep:
-    """Replays ``model(tokens (N, 1))`` over every row of ``engine``'s contiguous store."""
 
-    def __init__(self, engine):
-        self.engine = engine
+class StaticStep:
+    """``model(tokens (N, 1))`` over every row of ``engine``'s contiguous store, compiled or graphed."""
+
+    def __init__(self, engine, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.engine, self.mode = engine, mode
         store = engine.store
         n, length = store.rows, store.max_len
         device = engine.device
@@ -26,8 +31,10 @@ class GraphedStep:
         self.key_mask = torch.zeros(n, 1, 1, length, dtype=torch.bool, device=device)
         self.keys = torch.arange(length, device=device)
         self.plan = Plan(torch.arange(n, device=device), self.positions, length, leading=True)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph = None
         self.logits: torch.Tensor | None = None
+        # dynamic=False: one specialisation for the fixed shapes, compiled on the first step.
+        self.compiled = torch.compile(self._run, dynamic=False) if mode == "compile" else None
 
     def _run(self) -> torch.Tensor:
         cache = self.engine.cache
@@ -54,7 +61,11 @@ class GraphedStep:
         self.tokens[index] = tokens
         self.positions[index, 0] = torch.tensor(starts, dtype=torch.long, device=self.tokens.device)
         self.key_mask.copy_((self.keys[None, :] <= self.positions)[:, None, None, :])
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.logits.index_select(0, index).float()
+        if self.compiled is not None:
+            logits = self.compiled()
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            logits = self.logits
+        return logits.index_select(0, index).float()
