@@ -29,7 +29,9 @@ class MixerContext:
     positions: torch.Tensor
     """(T,) int64 absolute positions of the T input tokens, on the input's device:
     ``start, ..., start + T - 1``. In ragged decoding (``key_mask`` set, API 1.8) (B, T): each row
-    continues its own sequence, ``positions[b] = starts[b], ..., starts[b] + T - 1``."""
+    continues its own sequence, ``positions[b] = starts[b], ..., starts[b] + T - 1``. A new tensor
+    object every forward pass, shared by its layers, so a position module may keep what it computes
+    from it for the pass's other layers (rope's angles)."""
     start: int = 0
     """How many tokens the inference cache already holds (0 in training and evaluation, where there
     is no cache). In ragged decoding rows hold different numbers; pass it on to the state's

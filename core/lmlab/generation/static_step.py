@@ -38,7 +38,8 @@ class StaticStep:
 
     def _run(self) -> torch.Tensor:
         cache = self.engine.cache
-        cache.positions, cache.key_mask, cache.length = self.positions, self.key_mask, 0
+        # A fresh view each pass: positions are a new object per forward (MixerContext.positions).
+        cache.positions, cache.key_mask, cache.length = self.positions[:], self.key_mask, 0
         self.engine.store.plan = self.plan
         return self.engine.model(self.tokens, cache=cache)
 

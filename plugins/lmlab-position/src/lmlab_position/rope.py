@@ -34,7 +34,7 @@ class RotaryEmbedding(PositionModule):
     def __init__(self, head_dim: int, base: float):
         super().__init__()
         self.head_dim, self.base = head_dim, base
-        self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last call in eval mode
+        self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last eval-mode call
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = angles(positions, self.head_dim, self.base)                     # (T, hs/2) or (B, T, hs/2) float32
@@ -46,15 +46,19 @@ class RotaryEmbedding(PositionModule):
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # Computed per call rather than looked up in a table: (T, hs) cos/sin cost little next to
         # attention, need no bounds check (which would sync the device) and stay exact in float32.
-        # Every layer of a forward pass gets the same positions tensor: in decoding, where a step's
-        # few operations per layer are most of its time, compute its angles once, not per layer.
+        # Every layer of a forward pass gets the same positions tensor, a new one per pass
+        # (MixerContext.positions): in decoding, where a step's few operations per layer are most of
+        # its time, compute its angles once, not per layer. Never while compiling or capturing a
+        # CUDA graph, which must record the computation itself.
+        memo = not self.training and not torch.compiler.is_compiling() and not (
+            q.is_cuda and torch.cuda.is_current_stream_capturing())
         last = self._last
-        if last is not None and last[0] is positions and last[1] == q.dtype:
+        if memo and last is not None and last[0] is positions and last[1] == q.dtype:
             cos, sin = last[2], last[3]
         else:
             cos, sin = self._angles(positions)
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # broadcast over batch and heads, so H != Hkv is fine
-            if not self.training and not torch.compiler.is_compiling():
+            if memo:
                 self._last = (positions, q.dtype, cos, sin)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
