@@ -16,8 +16,10 @@ loop on identical weights; batched throughput with both caches; speculative deco
 3. With ``--target RUN --draft RUN`` (``lmlab run experiments/decoding.toml``: 8 layers and a
    2-layer draft), greedy against speculative greedy (k = 4) over prompts of the corpus: tokens/s,
    their ratio and the acceptance rate, after checking the texts are identical.
+4. On a CUDA device only: lmlab's greedy step eager, replayed as a CUDA graph
+   (``decoding.cuda_graph``) and compiled, on the same weights, identical tokens.
 
-    python bench/decoding.py [--new 200] [--rounds 5] [--target DIR --draft DIR]
+    python bench/decoding.py [--new 200] [--rounds 5] [--target DIR --draft DIR] [--only 1|2|3|4]
 """
 
 import argparse
@@ -68,15 +70,15 @@ def lmlab_greedy(model, prompt: torch.Tensor, new: int) -> list[int]:
 
 
 class CompiledGreedy:
-    """lmlab's greedy path with ``decoding.compile = true``: the engine's one-token step compiled once
-    (torch.compile over the whole contiguous cache); the engine is kept, as a server keeps it."""
+    """lmlab's greedy path with a static decode step (``decoding.compile = true``, or
+    ``decoding.cuda_graph = true``; None: eager), over one engine kept across calls as a server keeps it."""
 
-    def __init__(self, model, length: int):
+    def __init__(self, model, length: int, static: str | None = "compile"):
         from lmlab import discovery
         from lmlab.generation.engine import make_engine
 
         self.decoder = discovery.load("decoding", "greedy")()
-        self.engine = make_engine(model, 1, length, compile=True)
+        self.engine = make_engine(model, 1, length, compile=static == "compile", cuda_graph=static == "cuda_graph")
 
     @torch.no_grad()
     def __call__(self, prompt: torch.Tensor, new: int) -> list[int]:
@@ -202,13 +204,40 @@ def speculative(target_dir: Path, draft_dir: Path, new: int, k: int = 4) -> None
           f"speed-up {rates['speculative'] / rates['greedy']:.2f}, acceptance {acceptance:.0%} (identical text)")
 
 
+@torch.no_grad()
+def cuda_graphs(new: int, rounds: int) -> None:
+    """On a GPU: lmlab's greedy step eager, captured as a CUDA graph, and compiled, on the same weights."""
+    from lmlab.interop.llama import from_hf
+
+    if not torch.cuda.is_available():
+        print("4. CUDA graphs: skipped (no CUDA device)")
+        return
+    model = from_hf(llama()).cuda().eval()
+    prompt = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    arms = {name: CompiledGreedy(model, 16 + new, static=static)
+            for name, static in (("eager", None), ("cuda graph", "cuda_graph"), ("compiled", "compile"))}
+    results = {name: arm(prompt, new) for name, arm in arms.items()}  # warm up, capture, compile
+    if len({str(r) for r in results.values()}) != 1:
+        raise SystemExit(f"the greedy continuations differ on the GPU: {results}")
+    times = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, arm in arms.items():
+            torch.cuda.synchronize()
+            seconds, _ = timed(arm, prompt, new)
+            times[name].append(seconds)
+    rate = {name: new / statistics.median(t) for name, t in times.items()}
+    print(f"4. {torch.cuda.get_device_name()}: batch 1, greedy, {new} new tokens (identical tokens)")
+    for name, r in rate.items():
+        print(f"   {name:<11} {r:8,.0f} tokens/s  ({r / rate['eager']:.2f} x eager)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--target", type=Path, default=None)
     parser.add_argument("--draft", type=Path, default=None)
-    parser.add_argument("--only", choices=("1", "2", "3"), default=None)
+    parser.add_argument("--only", choices=("1", "2", "3", "4"), default=None)
     args = parser.parse_args(argv)
     if args.only in (None, "1"):
         batch_one(args.new, args.rounds)
@@ -217,6 +246,8 @@ def main(argv=None) -> int:
     if args.only in (None, "3") and args.target and args.draft:
         for k in (2, 4):
             speculative(args.target, args.draft, args.new, k=k)
+    if args.only in (None, "4"):
+        cuda_graphs(args.new, args.rounds)
     return 0
 
 
