@@ -147,20 +147,24 @@ def test_a_sequence_past_a_learned_table_slides_its_window_like_the_stepper():
     assert engine_out == outputs.completions[0].tokens
 
 
-def test_a_model_whose_attention_keeps_its_own_state_decodes_row_by_row():
+def test_a_model_whose_attention_keeps_its_own_state_decodes_row_by_row_with_the_same_tokens():
     class NoLayout(type(discovery.load("attention", "mha")())):
         def build(self, shape, layer):
             module = super().build(shape, layer)
             module.kv_layout = lambda: None
             return module
 
+    shared = model_with("rope", attention="mha")
     torch.manual_seed(0)
-    model = LanguageModel(SHAPE, position=discovery.load("position", "rope")(), attention=NoLayout(),
-                          ffn=discovery.load("ffn", "mlp")()).eval()
-    assert isinstance(make_engine(model, 2, 32), RowEngine)
+    rows = LanguageModel(SHAPE, position=discovery.load("position", "rope")(), attention=NoLayout(),
+                         ffn=discovery.load("ffn", "mlp")(), tie_embeddings=False).eval()
+    rows.load_state_dict(shared.state_dict())
+    assert isinstance(make_engine(rows, 2, 32), RowEngine) and isinstance(make_engine(shared, 2, 32), Engine)
     batch = prompts([4, 9])
-    out = generate_tensor(greedy(), model, torch.tensor([batch[0][:4] + [0] * 0]), 6)
-    assert out.shape == (1, 10)
+    padded = [ids + [0] * (9 - len(ids)) for ids in batch]  # generate takes a (B, T) tensor
+    out_rows = generate_tensor(greedy(), rows, torch.tensor(padded), 12)
+    out_shared = generate_tensor(greedy(), shared, torch.tensor(padded), 12)
+    assert out_rows.tolist() == out_shared.tolist()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

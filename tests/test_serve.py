@@ -135,6 +135,15 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def concurrently(ask, n: int) -> None:
+    """ask(i) for i in range(n), each in its own client thread, all at once."""
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
 def sse(response: httpx.Response) -> list:
     """The events of a server-sent-event body: parsed JSON chunks, then the literal "[DONE]"."""
     events = []
@@ -249,11 +258,7 @@ def test_concurrent_requests_each_get_their_text_alone_and_are_decoded_together(
             together[i] = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens,
                                                  temperature=0).choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    concurrently(ask, len(PROMPTS))
     assert together == alone
     assert stats.largest_batch > 1
     # Alone, 16 requests of 40 tokens take 16 x 39 decode steps; together far fewer than the tokens made.
@@ -310,11 +315,7 @@ def test_the_paged_cache_admits_only_what_its_free_blocks_can_hold(run):
             together[i] = client(url).completions.create(model=MODEL, prompt=prompts[i], max_tokens=50,
                                                          temperature=0).choices[0].text
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        concurrently(ask, len(prompts))
         assert together == alone
         assert service.scheduler.stats.largest_batch == 2 and not service.scheduler.stats.failures
         assert service.scheduler.store.available() == 8

@@ -69,6 +69,7 @@ def main(args) -> int:
     prepare_decoder(decoder, run)
     cache = args.cache or getattr(decoder.options, "cache", "contiguous")
     block_size = getattr(decoder.options, "block_size", 16)
+    show = None  # a batch is written as JSON lines at the end: no text to decode per step
     if args.prompts is None:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
@@ -76,9 +77,6 @@ def main(args) -> int:
         def show(i, text):
             sys.stdout.write(text)
             sys.stdout.flush()
-    else:
-        def show(i, text):
-            pass
 
     result = generate_texts(run.model, run.tokenizer, decoder, prompts, args.max_new_tokens, stop=args.stop,
                             seed=args.seed, cache=cache, block_size=block_size,

@@ -262,7 +262,6 @@ class RowEngine:
         self.window = max_len if limit is None else min(max_len, limit)
         self.device = next(model.parameters()).device
         self.rows: dict[int, _Row] = {}
-        self.lengths: dict[int, int] = {}
         self._next = 0
 
     def _new_row(self) -> int:
@@ -277,7 +276,6 @@ class RowEngine:
             row = self._new_row()
             self.rows[row] = _Row(self.model, self.window, self.device)
             logits.append(self.rows[row].start(list(ids)))
-            self.lengths[row] = len(ids)
             rows.append(row)
         return rows, torch.stack(logits)
 
@@ -285,7 +283,6 @@ class RowEngine:
         out = []
         for row, seq in zip(rows, tokens.tolist()):
             out.append(torch.stack([self.rows[row].step(t) for t in seq]))  # (T, V)
-            self.lengths[row] += len(seq)
         return torch.stack(out)
 
     def rewind(self, rows, counts):
@@ -297,22 +294,21 @@ class RowEngine:
         new = []
         for src in rows:
             row = self._new_row()
-            self.rows[row], self.lengths[row] = self.rows[src].copy(), self.lengths[src]
+            self.rows[row] = self.rows[src].copy()
             new.append(row)
         return new
 
     def assign(self, dst, src):
-        copies = [(self.rows[s].copy(), self.lengths[s]) for s in src]
-        for d, (state, n) in zip(dst, copies):
-            self.rows[d], self.lengths[d] = state, n
+        copies = [self.rows[s].copy() for s in src]
+        for d, state in zip(dst, copies):
+            self.rows[d] = state
 
     def release(self, rows):
         for row in rows:
             self.rows.pop(row, None)
-            self.lengths.pop(row, None)
 
     def length(self, row):
-        return self.lengths[row]
+        return self.rows[row].cache.length  # as Engine's: the tokens the row's cache holds
 
     def companion(self, model):
         return RowEngine(model, self.max_len)
