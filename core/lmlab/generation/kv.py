@@ -74,9 +74,6 @@ class KVStore:
         """Positions of memory set aside now, for the utilisation figure (stored tokens / reserved)."""
         raise NotImplementedError
 
-    def nbytes(self) -> int:
-        raise NotImplementedError
-
 
 class ContiguousKV(KVStore):
     """(rows, n_kv_heads, max_len, head_dim) per layer, allocated once."""
@@ -113,9 +110,6 @@ class ContiguousKV(KVStore):
 
     def reserved_positions(self) -> int:
         return self.rows * self.max_len
-
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v))
 
 
 class PagedKV(KVStore):
@@ -216,6 +210,3 @@ class PagedKV(KVStore):
 
     def reserved_positions(self) -> int:
         return (self.n_blocks - len(self.free_blocks)) * self.block_size
-
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v))
