@@ -3,10 +3,11 @@ loop on identical weights; batched throughput with both caches; speculative deco
 
 1. Batch 1, greedy: a Llama-shaped model with seeded random weights (transformers'
    LlamaForCausalLM, converted with ``lmlab.interop.llama.from_hf``) continues a prompt by
-   ``--new`` tokens three ways: ``generate(do_sample=False)``; the plain loop (prefill, then one
-   token per forward through the model's own ``KVCache``, argmax); and lmlab's path
-   (``Decoder.generate``: the engine, the ``greedy`` plugin, per-row stopping). All three must agree
-   token for token; and lmlab's path again with ``decoding.compile = true`` (the engine's one-token
+   ``--new`` tokens four ways: ``generate(do_sample=False)``; the same plain loop around
+   transformers' forward and ``DynamicCache`` (what ``generate`` adds shows beside it); the plain
+   loop over lmlab's model (prefill, then one token per forward through the model's own
+   ``KVCache``, argmax); and lmlab's path (``Decoder.generate``: the engine, the ``greedy`` plugin,
+   per-row stopping). All must agree token for token; and lmlab's path again with ``decoding.compile = true`` (the engine's one-token
    step compiled once by torch.compile; the compile time is printed, not counted). Printed: tokens/s
    (median of interleaved rounds) and the ratios lmlab / HF (target ≥ 2) and lmlab / plain loop
    (target ≥ 0.95), eager and compiled.
@@ -92,6 +93,22 @@ class CompiledGreedy:
 
 
 @torch.no_grad()
+def hf_loop(hf, prompt: torch.Tensor, new: int) -> list[int]:
+    """The plain loop around transformers' own forward and cache: what ``generate`` adds shows beside it."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    logits = hf(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    out = []
+    for i in range(new):
+        token = logits.argmax(dim=-1, keepdim=True)
+        out.append(token)
+        if i < new - 1:
+            logits = hf(token, past_key_values=cache, use_cache=True).logits[:, -1]
+    return torch.cat(out, dim=1)[0].tolist()
+
+
+@torch.no_grad()
 def hf_greedy(hf, prompt: torch.Tensor, new: int) -> list[int]:
     # An explicit mask: without one, generate masks every prompt token equal to pad_token_id.
     out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
@@ -113,7 +130,8 @@ def batch_one(new: int, rounds: int) -> None:
     prompt = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     print(f"1. batch 1, greedy, {new} new tokens after 16, Llama-shaped 4 x 128 (identical weights, identical tokens)")
     compiled = CompiledGreedy(model, prompt.shape[1] + new)
-    arms = {"hf generate": lambda: hf_greedy(hf, prompt, new), "plain loop": lambda: plain_loop(model, prompt, new),
+    arms = {"hf generate": lambda: hf_greedy(hf, prompt, new), "hf plain loop": lambda: hf_loop(hf, prompt, new),
+            "plain loop": lambda: plain_loop(model, prompt, new),
             "lmlab greedy": lambda: lmlab_greedy(model, prompt, new), "lmlab compiled": lambda: compiled(prompt, new)}
     times = {name: [] for name in arms}
     results = {}
@@ -129,7 +147,7 @@ def batch_one(new: int, rounds: int) -> None:
             times[name].append(seconds)
     rate = {name: new / statistics.median(t) for name, t in times.items()}
     for name, r in rate.items():
-        print(f"   {name:<13} {r:8,.0f} tokens/s")
+        print(f"   {name:<14} {r:8,.0f} tokens/s")
     print(f"   lmlab / hf generate = {rate['lmlab greedy'] / rate['hf generate']:.2f}, compiled "
           f"{rate['lmlab compiled'] / rate['hf generate']:.2f} (target >= 2)")
     print(f"   lmlab / plain loop  = {rate['lmlab greedy'] / rate['plain loop']:.3f}, compiled "
