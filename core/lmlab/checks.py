@@ -21,6 +21,15 @@ def run(variant, machine: bool = True) -> CheckContext:
 
     built = assemble(variant, model=False, vocabulary_unknown_ok=True)
     plugins = built.plugins
+    if plugins.get("compress"):
+        # A [compress] table records how a run folder's weights were compressed (lmlab compress); training
+        # from it would silently ignore it.
+        raise UserError("names compress methods: a manifest that trains cannot; train, then run `lmlab compress "
+                        "RUN_DIR --use METHOD` on the trained run (or start from a compressed run with [init])",
+                        key="compress.use")
+    if variant.train.train_only == "exit_heads" and not variant.model.exit_layers:
+        raise UserError("exit_heads needs exit heads to train: set model.exit_layers (blocks after which an exit "
+                        "head sits)", key="train.train_only")
     peft = plugins.get("peft")
     if peft is not None:
         from lmlab.train.adapters import check_parallel

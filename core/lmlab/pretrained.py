@@ -43,7 +43,7 @@ from lmlab.tables import read_toml, validate_options
 #: The tables an init decides.
 GOVERNED = ("model", "position", "attention", "ffn", "tokenizer")
 #: [model] keys a fine-tune may set to another value than the init's: no weight depends on them.
-FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std"})
+FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std", "exit_layers"})
 RUN, HUGGING_FACE = "lmlab run", "Hugging Face Llama"
 
 
@@ -235,6 +235,7 @@ def initialise(variant, model, run_dir: Path | None = None, resuming: bool = Fal
         from lmlab.checkpoint import model_state
 
         state, step = model_state(source.weights[0])
+        _restructure_compressed(model, source.weights[0])
         their_block = source_tables(source)["model"].get("block_size")
     else:
         from lmlab.interop import llama
@@ -253,11 +254,24 @@ def initialise(variant, model, run_dir: Path | None = None, resuming: bool = Fal
     return record
 
 
+def _restructure_compressed(model, checkpoint: Path) -> None:
+    """An init that ``lmlab compress`` wrote: give the model the structure its methods left (quantised
+    layers, pruned heads) before its weights load; the fine-tune's checkpoints carry the records on."""
+    from lmlab.checkpoint import load
+
+    records = load(checkpoint, mmap=True).get("lmlab_compress")
+    if records:
+        from lmlab.compress.restore import restructure
+
+        restructure(model, records, checkpoint)
+
+
 def load_state(model, state: dict, strict: bool = True, their_block_size: int | None = None,
                source: Path | str = "the init") -> None:
     """Copy ``state`` into ``model`` name by name; a UserError for a shape that differs (naming the
-    parameter) or, when ``strict``, for a weight either side lacks (naming init.strict). A position
-    table sized by a larger ``their_block_size`` is cut to the model's block_size."""
+    parameter) or, when ``strict``, for a weight either side lacks (naming init.strict), except the
+    model's exit heads (``model.exit_layers``), which an init trained without them does not hold. A
+    position table sized by a larger ``their_block_size`` is cut to the model's block_size."""
     own = model.state_dict()
     block = model.shape.block_size
     fitted = {}
@@ -279,6 +293,14 @@ def load_state(model, state: dict, strict: bool = True, their_block_size: int | 
         fitted[name] = value
     missing = [k for k in own if k not in fitted]
     unexpected = [k for k in state if k not in own]
+    # Exit heads (model.exit_layers) added to a model trained without them, to be trained on it
+    # (train.train_only = "exit_heads"): they start as copies of the final norm, so each exit begins
+    # by reading its block's hidden state as the output head reads the last one (the "logit lens").
+    for name in [k for k in missing if k.startswith("exit_heads.")]:
+        final = "norm_f." + name.split(".", 2)[2]
+        if final in fitted and fitted[final].shape == own[name].shape:
+            fitted[name] = fitted[final]
+    missing = [k for k in missing if not k.startswith("exit_heads.")]
     if strict and (missing or unexpected):
         parts = []
         if missing:

@@ -34,7 +34,7 @@ TABLE = (
     Slot("decoding", "Decoder", default="greedy"),
     Slot("tracker", "Tracker", default="wandb"),
     Slot("monitor", "Plugin", many=True),
-    Slot("compress", "Plugin", many=True),
+    Slot("compress", "Compressor", many=True),
 )
 
 BY_NAME = {slot.name: slot for slot in TABLE}

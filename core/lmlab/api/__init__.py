@@ -4,7 +4,7 @@ One base class per slot, typed options, the shapes and caches architecture plugi
 lifecycle hookspecs. Versioned by ``API_VERSION``; see [lmlab.api.version][lmlab.api.version] for the
 policy. Each slot's base class says what the core calls, when, with what shapes and dtypes and in
 which mode; ``SLOT_BASES`` maps each slot's name to that class (``SLOT_BASES["attention"]`` is
-[Attention][lmlab.api.attention.Attention]; the ``monitor`` and ``compress`` slots take any
+[Attention][lmlab.api.attention.Attention]; the ``monitor`` slot takes any
 [Plugin][lmlab.api.plugin.Plugin], acting through hooks; [Monitor][lmlab.api.monitor.Monitor] is the
 monitor slot's convenience base).
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.attention import Attention, AttentionModule, MixerContext
     from lmlab.api.batch import IGNORE_INDEX, Batch, Windows
     from lmlab.api.check import CheckContext
+    from lmlab.api.compress import Calibration, Compressor
     from lmlab.api.cache import InferenceCache, KVCache, LayerState
     from lmlab.api.data import ChatTemplate, DataOptions, DataSource, Document, Record, Segment, document_text
     from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper
@@ -56,6 +57,8 @@ _EXPORTS = {
     "Batch": "lmlab.api.batch",
     "Windows": "lmlab.api.batch",
     "CheckContext": "lmlab.api.check",
+    "Calibration": "lmlab.api.compress",
+    "Compressor": "lmlab.api.compress",
     "InferenceCache": "lmlab.api.cache",
     "KVCache": "lmlab.api.cache",
     "LayerState": "lmlab.api.cache",

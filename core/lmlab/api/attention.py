@@ -156,6 +156,21 @@ class AttentionModule(nn.Module):
         only call them. The default, empty, offers nothing to adapt by role."""
         return {}
 
+    def head_groups(self) -> tuple[int, int] | None:
+        """(query heads, key/value heads) of this module, for structured head pruning (API 1.9); query
+        head h reads key/value head ``h // (query heads / key/value heads)``, and the ``o`` role's
+        input holds head h's output at features ``[h·head_dim, (h+1)·head_dim)``. None (the default):
+        the module has no heads to prune."""
+        return None
+
+    def prune_heads(self, keep: list[int]) -> None:
+        """Keep only query heads ``keep`` (ascending indices), physically shrinking the projections
+        (API 1.9). A key/value head whose query heads all go is removed with them; the caller keeps
+        every remaining key/value head's group the same size. Called by ``head-prune`` and again, with
+        the same list, when a pruned run is loaded; the module must then run as if built with
+        ``len(keep)`` heads."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune heads")
+
 
 class Attention(Plugin):
     """The token mixer of each block: [build][lmlab.api.attention.Attention.build] makes one

@@ -82,6 +82,15 @@ and raise the bound when the plugin starts to use a newer one.
      ``MixerContext.key_mask`` and per-row ``MixerContext.positions`` (B, T), which a position module
      takes when it declares ``PositionModule.per_row``. ``DataSource.chat_template`` (how a chat turns
      into the prompt a run was trained on, for ``lmlab serve``'s chat completions).
+
+1.9: The compress slot's API (``lmlab.api.compress``): ``Compressor`` (``check_model`` refuses settings a
+     model cannot take before anything runs, ``compress`` a trained model in place and return a JSON
+     record, ``restructure`` a freshly built one from it so the compressed state dict loads,
+     ``calibrated``) and ``Calibration`` (token windows from the run's data or a file: ``batches``,
+     ``run``, ``losses``). Structured head pruning: ``AttentionModule.head_groups`` and
+     ``AttentionModule.prune_heads``. Early exit: ``DecodingOptions.exit_threshold`` (a decoder that
+     picks one token per step may leave at the first exit head whose confidence reaches it; the core
+     runs the loop, the plugin needs nothing new).
 """
 
-API_VERSION = "1.8"
+API_VERSION = "1.9"

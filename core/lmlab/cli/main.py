@@ -27,6 +27,7 @@ VERBS = {
     "schema": "prints the JSON Schema of manifests, with the options of every installed plugin",
     "plan": "prints memory per device and communication per step of each variant, before running it",
     "prepare": "filters and tokenises each variant's data into sharded token files in the cache",
+    "compress": "writes a smaller or faster copy of a trained run (quantised, pruned) as a new run folder",
 }
 
 

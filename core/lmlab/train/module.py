@@ -31,6 +31,10 @@ class LMModule(L.LightningModule):
         if peft is not None:  # checkpoints hold the adapter alone (PeftRun.restore checks its entries)
             self.strict_loading = False
         self.parallel = parallel  # the parallel plugin, asked to shard the model under a device mesh
+        # Early exit (model.exit_layers): the exit heads' losses join the head's with this weight.
+        self.exit_weight = getattr(train_cfg, "exit_loss_weight", 1.0)
+        if getattr(train_cfg, "train_only", None) == "exit_heads":
+            train_exit_heads_only(model, peft)
         # A pipeline schedule runs forward and backward itself (Parallel.forward_backward).
         self._plugin_steps = bool(getattr(parallel, "runs_forward_backward", False))
         self._pending = None  # the batch whose forward and backward wait for backward()
@@ -51,8 +55,9 @@ class LMModule(L.LightningModule):
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
         self._loss_step, self._micro = -1, 0  # the optimizer step last_loss averages over, micro-batches so far
         self.val_loss: float | None = None
+        self.val_exit_losses: list[float] | None = None  # each exit head's, as val_loss (model.exit_layers)
         self.activation_bytes: int | None = None
-        self._val_sum = self._val_count = None
+        self._val_sum = self._val_count = self._val_exit_sum = None
 
     def __setattr__(self, name: str, value) -> None:
         # Lightning sets bookkeeping attributes (``_current_fx_name``) around every hook call, dozens
@@ -91,10 +96,12 @@ class LMModule(L.LightningModule):
         if self.activation_bytes is None:  # once: what autograd keeps for backward, per micro-batch
             saved = SavedBytes()
             with saved:
-                out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
+                out = compute_loss(self.model, self.objective, batch, forward=self.train_forward,
+                                   exit_weight=self.exit_weight)
             self.activation_bytes = saved.total
         else:
-            out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
+            out = compute_loss(self.model, self.objective, batch, forward=self.train_forward,
+                               exit_weight=self.exit_weight)
         if self._peft_loss is not None:
             extra = self._peft_loss(self.model)
             out = out._replace(total=out.total + extra, aux=extra if out.aux is None else out.aux + extra)
@@ -148,21 +155,31 @@ class LMModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._val_count = torch.zeros((), dtype=torch.float64, device=self.device)
+        exits = getattr(self.model, "exit_heads", None)
+        self._val_exit_sum = None if exits is None else torch.zeros(len(exits), dtype=torch.float64,
+                                                                    device=self.device)
 
     def validation_step(self, windows, batch_idx: int) -> None:
         batch = self.make_batch(windows)
+        exits = None
         if self._plugin_steps:
             loss = self.parallel.forward_loss(self.model, batch, self.objective.loss)
         else:
-            loss = compute_loss(self.model, self.objective, batch).loss
+            out = compute_loss(self.model, self.objective, batch)
+            loss, exits = out.loss, out.exits
         n = (batch.targets != IGNORE_INDEX).sum()
         self._val_sum += loss.double() * n
         self._val_count += n
+        if exits is not None:
+            self._val_exit_sum += exits.double() * n
 
     def on_validation_epoch_end(self) -> None:
         total = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum")
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         self.val_loss = (total / count.clamp(min=1)).item()
+        if self._val_exit_sum is not None:
+            exits = self.trainer.strategy.reduce(self._val_exit_sum, reduce_op="sum")
+            self.val_exit_losses = (exits / count.clamp(min=1)).tolist()
 
     def configure_optimizers(self):
         optimizer = self.optimizer_plugin.build(self.model.param_infos())
@@ -192,6 +209,8 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Dropout draws from the global generator: keep it so a resumed run continues identically.
         checkpoint["lmlab_rng"] = torch.get_rng_state()
+        if getattr(self.model, "lmlab_compress", None):  # fine-tuned from a compressed run: how to rebuild it
+            checkpoint["lmlab_compress"] = self.model.lmlab_compress
         if self.peft is not None:  # the adapter's entries only; the base is in base.safetensors
             self.peft.prune(checkpoint)
 
@@ -200,6 +219,21 @@ class LMModule(L.LightningModule):
             torch.set_rng_state(checkpoint["lmlab_rng"])
         if self.peft is not None:
             self.peft.restore(checkpoint)
+
+
+def train_exit_heads_only(model, peft=None) -> None:
+    """``train.train_only = "exit_heads"``: freeze every weight but the exit heads' (early exit on a
+    trained model, as BranchyNet's branches may be trained on a fixed network; Teerapittayanon et al.
+    2016). The tied output head stays frozen with the embedding, so the model's own predictions do
+    not move."""
+    if getattr(model, "exit_heads", None) is None:
+        raise UserError("exit_heads needs exit heads to train: set model.exit_layers (blocks after which an exit "
+                        "head sits)", key="train.train_only")
+    if peft is not None:
+        raise UserError("exit_heads trains the exit heads alone; a [peft] adapter would be another set of trained "
+                        "weights: use one or the other", key="train.train_only")
+    model.requires_grad_(False)
+    model.exit_heads.requires_grad_(True)
 
 
 def grad_norm(optimizer) -> torch.Tensor | None:

@@ -53,6 +53,10 @@ class SelfAttention(AttentionModule):
         # Tensor parallelism: this rank computes heads [rank·H/size, (rank+1)·H/size) (and the matching
         # key/value heads); 1 and 0 without it.
         self.tp_size, self.tp_rank = 1, 0
+        # After prune_heads: the original index of each remaining query head, so a position scheme's
+        # per-head bias (built for the model's original heads) is read at the heads that remain. Not
+        # persistent: a pruned run's loader calls prune_heads again with the same list.
+        self.register_buffer("kept_heads", None, persistent=False)
         self.reset_parameters(shape)
 
     def forward(self, x: torch.Tensor, ctx: MixerContext, state: KVCache | None = None) -> torch.Tensor:
@@ -91,6 +95,8 @@ class SelfAttention(AttentionModule):
             else:  # cached keys hold consecutive positions ending at the last query's
                 k_positions = ctx.positions if S == T else ctx.positions[0] - ctx.start + torch.arange(S, device=device)
             bias = ctx.position.attention_bias(ctx.positions, k_positions)         # (H, T, S); (B, H, T, S) ragged
+            if self.kept_heads is not None:  # pruned: the remaining heads' rows of the original heads' bias
+                bias = bias.index_select(-3, self.kept_heads)
             if self.tp_size > 1:  # this rank's heads only
                 local = self.n_heads // self.tp_size
                 bias = bias[..., self.tp_rank * local:(self.tp_rank + 1) * local, :, :]
@@ -127,6 +133,40 @@ class SelfAttention(AttentionModule):
     def peft_roles(self) -> dict[str, str]:
         return {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}
 
+    def head_groups(self) -> tuple[int, int]:
+        if self.tp_size > 1:
+            raise UserError("head pruning needs whole attention modules; this one is split over "
+                            f"{self.tp_size} tensor-parallel ranks (compress a single-device copy)", key="parallel.use")
+        return self.n_heads, self.n_kv_heads
+
+    def prune_heads(self, keep: list[int]) -> None:
+        """Keep query heads ``keep`` (ascending) and the key/value heads they read: the rows of
+        ``q_proj`` (and ``k_proj``/``v_proj``) for those heads and the matching input columns of
+        ``out_proj`` stay; everything else goes, so the module is what ``len(keep)`` heads would build.
+        Query head h reads key/value head ``h // g``; after pruning every remaining key/value head must
+        still serve the same number of query heads (``ValueError`` otherwise: the grouping could not be
+        expressed by ``n_kv_heads`` alone)."""
+        self.head_groups()  # refuses a tensor-parallel module
+        H, hs = self.n_heads, self.head_dim
+        group = H // self.n_kv_heads
+        if not keep or list(keep) != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= H:
+            raise ValueError(f"keep must list distinct query heads of 0..{H - 1} in ascending order; got {keep}")
+        kv_keep = sorted({h // group for h in keep})
+        per_group = len(keep) // len(kv_keep)
+        if per_group * len(kv_keep) != len(keep) or any(
+                sum(1 for h in keep if h // group == g) != per_group for g in kv_keep):
+            raise ValueError(f"keeping query heads {keep} would leave key/value groups of different sizes "
+                             f"(each of the {self.n_kv_heads} key/value heads serves {group} query heads)")
+        q_rows = _head_rows(keep, hs, self.q_proj.weight.device)
+        kv_rows = _head_rows(kv_keep, hs, self.k_proj.weight.device)
+        _take_rows(self.q_proj, q_rows)
+        _take_rows(self.k_proj, kv_rows)
+        _take_rows(self.v_proj, kv_rows)
+        _take_columns(self.out_proj, q_rows)
+        previous = self.kept_heads.tolist() if self.kept_heads is not None else range(H)
+        self.kept_heads = torch.tensor([previous[h] for h in keep], device=self.q_proj.weight.device)
+        self.n_heads, self.n_kv_heads = len(keep), len(kv_keep)
+
     def _take_local_heads(self, mesh) -> None:
         self.tp_size, self.tp_rank = mesh.size(), mesh.get_local_rank()
 
@@ -139,6 +179,27 @@ class SelfAttention(AttentionModule):
                 nn.init.zeros_(linear.bias)
 
 
+def _head_rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
+    """The feature indices of ``heads``, each ``head_dim`` wide: rows of a projection into heads."""
+    heads = torch.tensor(heads, device=device)
+    return (heads[:, None] * head_dim + torch.arange(head_dim, device=device)).flatten()
+
+
+def _take_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+    """``linear`` shrunk in place to output features ``rows`` (a new Linear would draw an initialisation
+    from the global generator, moving the run's random stream just to be overwritten)."""
+    linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=linear.weight.requires_grad)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=linear.bias.requires_grad)
+    linear.out_features = len(rows)
+
+
+def _take_columns(linear: nn.Linear, columns: torch.Tensor) -> None:
+    """``linear`` shrunk in place to input features ``columns`` (its bias, per output, unchanged)."""
+    linear.weight = nn.Parameter(linear.weight.detach()[:, columns].clone(), requires_grad=linear.weight.requires_grad)
+    linear.in_features = len(columns)
+
+
 class GroupedQueryAttentionOptions(Options):
     n_kv_heads: int | None = Field(
         None, ge=1, help="key/value heads, each shared by n_heads / n_kv_heads query heads; must divide "
@@ -149,7 +210,7 @@ class GroupedQueryAttention(Attention):
     """``gqa``: ``n_kv_heads`` key/value heads shared by groups of query heads (Ainslie et al. 2023)."""
 
     Options = GroupedQueryAttentionOptions
-    api = ">=1.8,<2"  # kv_layout, MixerContext.key_mask; MixerContext.causal (1.4)
+    api = ">=1.9,<2"  # head_groups, prune_heads; kv_layout, MixerContext.key_mask (1.8); MixerContext.causal (1.4)
     bidirectional = True
 
     def kv_heads(self, shape: ModelShape) -> int:

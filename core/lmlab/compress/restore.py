@@ -1,0 +1,34 @@
+"""Loading a compressed run: the model is built from the manifest as usual, then each method recorded in
+the checkpoint restructures it (the same module types and shapes it left), so the state dict loads
+strictly. The records name registered plugins only: nothing is imported by path."""
+
+from pathlib import Path
+
+from lmlab.errors import UserError
+
+#: The checkpoint entry holding one record per method, in the order they ran:
+#: ``{"plugin": name, "options": {...}, "record": {...}}``.
+KEY = "lmlab_compress"
+
+
+def restructure(model, records: list[dict], where: Path | str) -> None:
+    """Give ``model`` (just built, nothing loaded) the structure the recorded methods left."""
+    from lmlab import discovery
+    from lmlab.tables import validate_options
+
+    for entry in records:
+        name = entry["plugin"]
+        cls = discovery.load("compress", name, key=str(where))
+        options = validate_options(cls.Options, entry.get("options") or {}, f"compress.{name}", Path(where).parent)
+        cls(options).restructure(model, entry.get("record") or {})
+    model.lmlab_compress = list(records)  # a fine-tune from this model writes them into its own checkpoints
+
+
+def records_of(model) -> list[dict] | None:
+    """The compress records a model was built with (None: an ordinary model)."""
+    return getattr(model, "lmlab_compress", None) or None
+
+
+def check_loadable(records) -> None:
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "plugin" in r for r in records):
+        raise UserError("its lmlab_compress entry is not a list of method records", key=KEY)

@@ -1,0 +1,1 @@
+"""Compression methods for lmlab (the ``compress`` slot): quantisation, sparsity and head pruning."""
