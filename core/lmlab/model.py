@@ -69,7 +69,8 @@ class LanguageModel(nn.Module):
     """Token embedding → position → blocks → final norm → (tied) head; see ``lmlab.api.LanguageModel``."""
 
     def __init__(self, shape: ModelShape, *, position, attention, ffn, norm: str = "layernorm",
-                 norm_eps: float = 1e-5, tie_embeddings: bool = True, causal: bool = True):
+                 norm_eps: float = 1e-5, tie_embeddings: bool = True, causal: bool = True,
+                 exit_layers: tuple[int, ...] = ()):
         super().__init__()
         self.shape = shape
         # False for a bidirectional objective (masked LM): every mixer sees the whole window. The
@@ -87,6 +88,13 @@ class LanguageModel(nn.Module):
         if tie_embeddings:
             # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
             self.head.weight = self.tok_emb.weight
+        # Early exit (model.exit_layers; BranchyNet, Teerapittayanon et al. 2016; CALM, Schuster et al.
+        # 2022): after block i, exit_heads[str(i)] normalises the hidden state for the shared output head,
+        # as norm_f does for the last block, so an exit adds a norm and no matrix. None without exits:
+        # such a model's modules, state dict and forward are those of a model built before exits existed.
+        self.exit_layers = tuple(exit_layers)
+        self.exit_heads = nn.ModuleDict({str(i): build_norm(norm, shape, norm_eps) for i in self.exit_layers}) \
+            if self.exit_layers else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -103,6 +111,8 @@ class LanguageModel(nn.Module):
             if block.has_ffn:
                 block.norm2.reset_parameters()
         self.norm_f.reset_parameters()
+        for norm in self.exit_heads.values() if self.exit_heads is not None else ():
+            norm.reset_parameters()
 
     def set_checkpointing(self, policy: str) -> None:
         """Activation checkpointing for every block: one of CHECKPOINTING."""
@@ -121,6 +131,10 @@ class LanguageModel(nn.Module):
         if not 0 <= start < stop <= n or self.span != (0, n):
             raise ValueError(f"a pipeline stage is a non-empty span of blocks 0..{n - 1} of a whole model; "
                              f"got [{start}, {stop}) of a model running {list(self.span)}")
+        if self.exit_heads is not None:  # an exit's loss needs the output head, which only the last stage holds
+            raise UserError("exit heads cannot be trained under pipeline parallelism (every exit needs the output "
+                            "head, which only the last stage holds); leave model.exit_layers empty",
+                            key="model.exit_layers")
         tied = self.head.weight is self.tok_emb.weight
         for i in range(n):
             if not start <= i < stop:
@@ -131,8 +145,9 @@ class LanguageModel(nn.Module):
             self.norm_f = self.head = None
         self.span = (start, stop)
 
-    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
-        """idx (B, T) → logits (B, T, V)."""
+    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, exits: bool = False):
+        """idx (B, T) → logits (B, T, V). ``exits`` (a model with exit heads): (logits, [the logits
+        (B, T, V) of each exit head, in block order]), what the training loss of early exit needs."""
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
         positions = getattr(cache, "positions", None)  # the engine's rows: set per forward pass
@@ -151,6 +166,15 @@ class LanguageModel(nn.Module):
         else:
             x = idx  # a later pipeline stage: the previous stage's hidden states (B, T, C)
         states = cache.states if cache is not None else (None,) * len(self.blocks)
+        if exits:
+            exit_logits = []
+            for i in range(first, stop):
+                x = self.blocks[i](x, ctx, states[i])
+                if i in self.exit_layers:
+                    exit_logits.append(self.head(self.exit_heads[str(i)](x)))
+            if cache is not None:
+                cache.length = start + T
+            return self.head(self.norm_f(x)), exit_logits
         for i in range(first, stop):
             x = self.blocks[i](x, ctx, states[i])
         if cache is not None:
@@ -201,14 +225,29 @@ class StepLoss(NamedTuple):
     loss: torch.Tensor  # the objective's loss alone (reported as train/val loss)
     aux: torch.Tensor | None  # the sum of the auxiliary losses, if any module reported one
     logits: torch.Tensor
+    exits: torch.Tensor | None = None  # (E,) the objective's loss at each exit head (model.exit_layers), unweighted
 
 
-def compute_loss(model: LanguageModel, objective, batch, forward=None) -> StepLoss:
-    """One training/eval forward; ``forward`` is the callable to run (e.g. the compiled model)."""
-    logits = (model if forward is None else forward)(batch.input_ids)
+def compute_loss(model: LanguageModel, objective, batch, forward=None, exit_weight: float = 1.0) -> StepLoss:
+    """One training/eval forward; ``forward`` is the callable to run (e.g. the compiled model).
+
+    A model with exit heads also scores the targets at each exit; ``exit_weight`` times the mean of
+    those losses joins the auxiliary loss (the weighted sum over exits of CALM, Schuster et al. 2022,
+    and the Depth-Adaptive Transformer, Elbayad et al. 2020, with equal weights), while ``loss``
+    stays the output head's."""
+    run = model if forward is None else forward
+    if getattr(model, "exit_heads", None) is None:
+        logits = run(batch.input_ids)
+        loss = objective.loss(logits, batch)
+        aux = model.aux_loss()
+        return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)
+    logits, exit_logits = run(batch.input_ids, exits=True)
     loss = objective.loss(logits, batch)
+    exits = torch.stack([objective.loss(out, batch) for out in exit_logits])
     aux = model.aux_loss()
-    return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)
+    weighted = exit_weight * exits.mean()
+    aux = weighted if aux is None else aux + weighted
+    return StepLoss(loss + aux, loss, aux, logits, exits)
 
 
 def shape_of(model, vocab_size: int) -> ModelShape:
@@ -221,13 +260,22 @@ def shape_of(model, vocab_size: int) -> ModelShape:
 def build_model(model, shape: ModelShape, plugins: dict) -> LanguageModel:
     """The model ``model`` (``[model]``) describes, from the position, attention and ffn plugins; bidirectional
     when the objective is not causal, which needs an attention plugin that supports it
-    (``Attention.bidirectional``)."""
+    (``Attention.bidirectional``). A decoder with ``exit_threshold`` needs the model's exit heads."""
     objective = plugins.get("objective")
     causal = getattr(objective, "causal", True)
     if not causal and not getattr(plugins["attention"], "bidirectional", False):
         raise UserError(f"attention plugin {plugins['attention'].name!r} is causal only, and objective "
                         f"{objective.name!r} needs bidirectional attention; use one that declares it "
                         "(Attention.bidirectional; see `lmlab plugins attention`)", key="attention.use")
-    return LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
-                         ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
-                         tie_embeddings=model.tie_embeddings, causal=causal)
+    built = LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
+                          ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
+                          tie_embeddings=model.tie_embeddings, causal=causal,
+                          exit_layers=tuple(getattr(model, "exit_layers", ())))
+    decoder = plugins.get("decoding")
+    if getattr(getattr(decoder, "options", None), "exit_threshold", None) is not None:
+        # Early exit needs exit heads and a one-token-per-step decoder: refused here, so `lmlab check`,
+        # `lmlab run` (before training, not at its closing sample) and `lmlab generate` all say so.
+        from lmlab.generation.early_exit import check
+
+        check(decoder, built)
+    return built

@@ -22,6 +22,11 @@ class DecodingOptions(Options):
                                          "(contiguous cache); ignored elsewhere")
     compile: bool = Field(False, help="compile the one-token decode step with torch.compile (contiguous cache, "
                                       "fixed shapes): seconds of compiling once, then a faster step")
+    exit_threshold: float | None = Field(
+        None, ge=0, le=1, help="early exit (greedy and sample): leave at the first exit head whose max softmax "
+                               "probability is >= this, skipping the deeper blocks (1.0 never exits; 0.0 always "
+                               "takes the first); needs a run trained with model.exit_layers; prompts are decoded "
+                               "one at a time")
 
 
 class Engine(Protocol):

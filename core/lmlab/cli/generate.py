@@ -2,7 +2,8 @@
 
 One ``--prompt`` streams its continuation; ``--prompts FILE`` (one prompt per line, or JSONL objects
 with a ``"prompt"``) decodes them all as one batch and writes one JSON line per prompt as it
-finishes. Either way the speed (new tokens per second) goes to stderr.
+finishes. Either way the speed (new tokens per second) goes to stderr, and with
+``decoding.exit_threshold`` (early exit) the average exit layer.
 """
 
 import json
@@ -94,6 +95,11 @@ def main(args) -> int:
                 line["candidates"] = [{"text": run.tokenizer.decode(t), "score": s} for t, s in c.candidates]
             print(json.dumps(line, ensure_ascii=False))
     sys.stdout.flush()
+    if result.exits is not None:  # early exit: blocks run per token, and what stands for the cache
+        how = f"exit threshold {decoder.options.exit_threshold:g}, average exit layer " \
+              f"{result.exits.mean:.2f} of {result.exits.n_layers}"
+    else:
+        how = f"{cache} cache"
     print(f"{result.tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} tokens/s "
-          f"({len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {decoder.name}, {cache} cache)", file=sys.stderr)
+          f"({len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {decoder.name}, {how})", file=sys.stderr)
     return 0

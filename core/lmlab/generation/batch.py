@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from lmlab.generation.early_exit import EarlyExitDecoding, ExitStats
 from lmlab.generation.engine import make_engine
 from lmlab.generation.outputs import Outputs
 
@@ -50,6 +51,7 @@ class Generation:
     outputs: Outputs
     seconds: float
     tokens: int  # tokens made, over every prompt
+    exits: ExitStats | None = None  # decoding.exit_threshold: the exit layers (lmlab.generation.early_exit)
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,8 +68,13 @@ def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     longest = max(len(ids) for ids in encoded) + max_new_tokens
-    engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest, cache=cache, block_size=block_size,
-                         cuda_graph=cuda_graph, compile=compile)
+    threshold = getattr(getattr(decoder, "options", None), "exit_threshold", None)
+    if threshold is not None:  # early exit: its own loop, row by row, over per-block caches
+        decoder = EarlyExitDecoding(decoder, model, threshold, longest)
+        engine = None
+    else:
+        engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest, cache=cache,
+                             block_size=block_size, cuda_graph=cuda_graph, compile=compile)
     outputs = Outputs(tokenizer, [max_new_tokens] * len(prompts), stop=[list(stop)] * len(prompts),
                       eos_id=tokenizer.eos_id)
     was_training = model.training
@@ -86,4 +93,5 @@ def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - started
-    return Generation(outputs, seconds, sum(len(c.tokens) for c in outputs.completions))
+    return Generation(outputs, seconds, sum(len(c.tokens) for c in outputs.completions),
+                      decoder.stats if threshold is not None else None)

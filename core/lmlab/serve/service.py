@@ -61,6 +61,11 @@ class Service:
         data = run.plugins.get("data")
         template = data.chat_template() if data is not None and hasattr(data, "chat_template") else None
         decoding = getattr(run.plugins.get("decoding"), "options", None)
+        if getattr(decoding, "exit_threshold", None) is not None:
+            # The scheduler batches rows through the whole model; an exit decision is per row and per token.
+            raise UserError("lmlab serve decodes through every layer and cannot exit early; early exit is for "
+                            "lmlab generate: drop decoding.exit_threshold from the run's manifest or overrides",
+                            key="decoding.exit_threshold")
         settings.setdefault("block_size", getattr(decoding, "block_size", 16))
         name = model_name or Path(run_dir).resolve().name
         return cls(run.model.eval(), run.tokenizer, model_id=name, template=template,

@@ -286,6 +286,9 @@ def _completed(trainer, module, recorder, compiled: bool) -> dict:
         "state_mb": state_bytes(module.model, trainer.optimizers) / 2**20,
         "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizers),
     }
+    if module.val_exit_losses is not None:  # model.exit_layers: each exit head's loss on the same split
+        layers = module.model.exit_layers
+        summary["val_exit_losses"] = {str(i): loss for i, loss in zip(layers, module.val_exit_losses)}
     if module.peft is not None:  # the adapter alone, as written to checkpoints/adapter.safetensors
         summary["adapter_bytes"] = module.peft.adapter_bytes
     if compiled and recorder.first_step_s is not None and summary["tokens_per_s"]:
