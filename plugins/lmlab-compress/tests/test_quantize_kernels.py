@@ -119,9 +119,30 @@ def test_int8_linear_is_close_to_float():
     x = torch.randn(4, 9, 256)
     assert relative_error(module(x), linear(x)) < 0.01  # 8 bits on both sides: ~0.5% each
     codes, scale = quantize_rows(x)
-    assert int(codes.abs().max()) == 127 and scale.shape == (4, 9, 1)
+    assert -128 <= int(codes.min()) and int(codes.max()) <= 127 and int(codes.abs().max()) >= 127
+    assert scale.shape == (4, 9, 1)
     expected = nn.functional.linear(codes.float() * scale, module.dequantize(), linear.bias)
     torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_linear_computes_what_torchaos_int8_dynamic_activation_int8_weight_computes():
+    """The peer library on identical weights: torchao's W8A8 config (per-row int8 weights, per-token
+    symmetric int8 activations). The same codes and scales, the same integer products: what is left
+    is the order of the float multiplications by the two scales."""
+    torchao_quant = pytest.importorskip("torchao.quantization")
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 256, bias=False)
+    ours = Int8Linear.from_linear(linear)
+    theirs = nn.Sequential(nn.Linear(512, 256, bias=False))
+    theirs[0].weight.data.copy_(linear.weight.data)
+    torchao_quant.quantize_(theirs, torchao_quant.Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(2, 33, 512)
+    with torch.no_grad():
+        mine, peer, exact = ours(x), theirs(x), linear(x)
+    assert torch.equal(ours.weight, theirs[0].weight.qdata)
+    torch.testing.assert_close(ours.weight_scale, theirs[0].weight.scale.flatten(), rtol=1e-6, atol=0)
+    quantisation = (peer - exact).abs().max()
+    assert (mine - peer).abs().max() < 1e-3 * quantisation, ((mine - peer).abs().max(), quantisation)
 
 
 def test_nf4_layer_matches_a_pure_torch_dequantisation_and_float():

@@ -2,18 +2,18 @@
 computes them (after Dettmers et al. 2022, "LLM.int8()", without its outlier decomposition, and
 Xiao et al. 2023, "SmoothQuant", without its smoothing).
 
-Weights: symmetric, one float32 scale per output channel, ``w ≈ q · s_w`` with q in [−127, 127].
-Activations: quantised on the fly, one scale per token (its max |x| / 127), so an outlier token
+Weights: symmetric, one float32 scale per output channel, ``w ≈ q · s_w`` with q in [−128, 127] and
+s_w = max |w| / 127.5 (torchao's symmetric int8 mapping, so both layers hold the same codes).
+Activations: quantised on the fly the same way, one scale per token, so an outlier token
 costs only its own precision. The product of int8 codes is summed exactly in int32 and scaled back:
 y = (q_x q_wᵀ) · s_x · s_w.
 
 On the CPU ``torch._int_mm`` computes the integer product: the kernel torchao's
 ``int_scaled_matmul`` calls on a CPU with AMX (it converts to uint8 first only on VNNI-without-AMX
 CPUs), called directly so that loading a model does not import torchao (two seconds). On this
-project's CPU it beat float32 codes multiplied by ``F.linear`` at every shape measured, and float32
-``F.linear`` itself from about 4M multiply-accumulates up (2.7× at 512 tokens × 1024 → 4096); below,
-the per-token quantisation of x (a few elementwise passes) costs more than the product saves (the
-README's table). Elsewhere (CUDA's ``_int_mm`` wants more than 16 rows and sizes in multiples of 8)
+project's CPU it beat float32 ``F.linear`` on wide layers (3.8× at 8 tokens × 1024 → 4096, 4.5× at
+512 tokens); on narrow ones (128 → 512) the per-token quantisation of x (a few elementwise passes)
+costs about what the product saves (``bench/quant_linear.py``, the plugin README's table). Elsewhere (CUDA's ``_int_mm`` wants more than 16 rows and sizes in multiples of 8)
 the same integer codes are multiplied as float32: exact for the int8 sums these sizes produce.
 """
 
@@ -26,10 +26,11 @@ from lmlab_compress.linears import LinearQuantizer, skip_field
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes of each row of ``x`` (…, K) and the row's float32 scale (…, 1)."""
+    """Symmetric int8 codes of each row of ``x`` (…, K) and the row's float32 scale (…, 1): max |x| / 127.5
+    onto [−128, 127], as torchao's ``choose_qparams_affine`` and ``quantize_affine`` compute them."""
     x = x.float()
-    top = x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
-    return (x * (127 / top)).round_().to(torch.int8), top / 127
+    scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp_(min=torch.finfo(torch.float32).eps)
+    return (x * (1.0 / scale)).round_().clamp_(-128, 127).to(torch.int8), scale
 
 
 def int_mm_runs(xq: torch.Tensor, wq: torch.Tensor) -> bool:
@@ -41,7 +42,7 @@ def int_mm_runs(xq: torch.Tensor, wq: torch.Tensor) -> bool:
 
 
 def float_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """The integer product computed in float32: exact while K · 127² < 2²⁴ (K ≤ 1040), and beyond
+    """The integer product computed in float32: exact while K · 128² ≤ 2²⁴ (K ≤ 1024), and beyond
     that rounded as float32 rounds, far below int8's own steps."""
     return F.linear(xq.float(), wq.float())
 
