@@ -77,6 +77,7 @@ def test_awq_has_lower_perplexity_than_round_to_nearest_at_the_same_bits_and_gro
         assert awq["val_ppl"] < rtn["val_ppl"], (bits, awq["val_ppl"], rtn["val_ppl"])
         assert rtn["val_ppl"] > rtn["base"]["val_ppl"]  # quantising costs something
         assert rtn["disk_bytes"] < 0.5 * rtn["base"]["disk_bytes"]
+        assert rtn["params"] == awq["params"] == rtn["base"]["params"]  # the weights the codes stand for
 
 
 @pytest.mark.parametrize("compare, split", [("layer", "train"), ("row", "val")])

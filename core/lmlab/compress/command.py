@@ -66,7 +66,7 @@ def compress(run_dir: Path, methods: list[Method], out: Path, *, calibration_fil
         method.plugin.check_model(model)
     log(f"measuring {run_dir} before compression")
     before = figures(model, measure.state_bytes(model.state_dict()))
-    base_params = model.num_params()
+    base_params = measure.weights(model)
     reference = copy.deepcopy(model)  # timed beside the compressed model at the end
     records = []
     for method in methods:
@@ -155,7 +155,7 @@ def _summary(run, run_dir, records, before, after, loaded, calibration, calibrat
     return {
         "status": "completed",
         **after.as_dict(),
-        "params": loaded.num_params(),
+        "params": measure.weights(loaded),
         "steps": run.step or 0,
         "base": before.as_dict(),
         "disk_ratio": ratio(after.disk_bytes, before.disk_bytes),

@@ -71,6 +71,16 @@ def memory_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def weights(model: torch.nn.Module) -> int:
+    """The model's parameters, counting each weight a quantised layer stands for: a module that
+    declares ``in_features`` and ``out_features`` and holds its weight other than as a parameter
+    (as codes in buffers) counts in × out, so that ``params`` means the same before and after."""
+    quantised = sum(m.in_features * m.out_features for m in model.modules()
+                    if hasattr(m, "in_features") and hasattr(m, "out_features")
+                    and not isinstance(getattr(m, "weight", None), torch.nn.Parameter))
+    return model.num_params() + quantised
+
+
 def state_bytes(state: dict) -> int:
     """The size of ``state`` as torch.save writes it: what a weights file of the model takes on disk."""
     buffer = io.BytesIO()
