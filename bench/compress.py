@@ -20,14 +20,16 @@ from pathlib import Path
 
 #: (row label, --use methods, --set options), in the order of the table
 ROWS = [
-    ("int8 (torchao)", ["int8"], []),
+    ("int8 W8A8", ["int8"], []),
     ("nf4 (bitsandbytes)", ["nf4"], []),
     ("rtn int4 g32", ["rtn"], ["bits=4", "group_size=32"]),
     ("awq int4 g32", ["awq"], ["bits=4", "group_size=32"]),
     ("rtn int3 g32", ["rtn"], ["bits=3", "group_size=32"]),
     ("awq int3 g32", ["awq"], ["bits=3", "group_size=32"]),
-    ("magnitude 50 %", ["magnitude"], ["sparsity=0.5"]),
-    ("wanda 50 %", ["wanda"], ["sparsity=0.5"]),
+    ("magnitude 50 % (per layer)", ["magnitude"], ["sparsity=0.5"]),
+    ("wanda 50 % (per row)", ["wanda"], ["sparsity=0.5"]),
+    ("magnitude 50 % (per row)", ["magnitude"], ["sparsity=0.5", "compare=\"row\""]),
+    ("wanda 50 % (per layer)", ["wanda"], ["sparsity=0.5", "compare=\"layer\""]),
     ("magnitude 2:4", ["magnitude"], ["pattern=\"2:4\""]),
     ("wanda 2:4", ["wanda"], ["pattern=\"2:4\""]),
     *[(f"head-prune random (seed {seed}), 4 of 16 heads", ["head-prune"],

@@ -11,10 +11,11 @@ one byte each; the codes are bit-packed (:mod:`lmlab_compress.packing`): at 4 bi
 32, a weight costs 4 + 24/32 = 4.75 bits instead of 32.
 
 The forward dequantises the whole weight to the input's dtype and calls ``F.linear``; nothing is
-cached, so the model keeps its quantised size. On this project's CPU (torch 2.13, AVX-512 + AMX) that
-beat torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) at every float32 shape measured: the
-kernel is fast only on bfloat16 inputs, and its packed layout depends on the CPU's vector width, so a
-state dict holding it would not load on another machine (figures in the plugin's README).
+cached, so the model keeps its quantised size, and it is slower than float32. torch's own int4 kernel
+(``_weight_int4pack_mm_for_cpu``) is no way out on float32 inputs: on this project's CPU it was as slow
+at one token and far slower at more. It is fast only on bfloat16 inputs, and its packed layout depends
+on the CPU's vector width, so a state dict holding it would not load on another machine
+(``bench/quant_linear.py``; figures in the plugin's README).
 """
 
 from typing import Literal
