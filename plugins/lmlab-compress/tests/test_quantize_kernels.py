@@ -62,6 +62,44 @@ def test_group_quant_linear_computes_with_its_dequantised_weight():
     assert module.qweight.shape == (24, 32) and relative_error(module.dequantize(), linear.weight) < 0.15
 
 
+KERNEL = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                            reason="this torch has no int4 CPU kernel")
+
+
+@KERNEL
+def test_a_decode_step_takes_the_int4_kernel_on_the_same_codes_and_a_loaded_layer_rebuilds_it():
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 512)
+    module = GroupQuantLinear.from_linear(linear, 4, 32, input_scale=torch.rand(128) + 0.5)
+    assert module.kernel_weight is not None
+    assert set(module.state_dict()) == {"qweight", "scales", "zeros", "bias", "input_scale"}  # portable
+    with torch.no_grad():
+        for rows in (1, 8):  # the kernel's rows: bfloat16 activations, the same weights
+            x = torch.randn(rows, 128)
+            dequantised = nn.functional.linear(x * module.input_scale, module.dequantize(), linear.bias)
+            got = module(x)
+            quantisation = (dequantised - linear(x)).abs().max()
+            assert 0 < (got - dequantised).abs().max() < 0.15 * quantisation
+        x = torch.randn(9, 128)  # more rows: the dequantised weight, exactly
+        torch.testing.assert_close(module(x), nn.functional.linear(x * module.input_scale, module.dequantize(),
+                                                                   linear.bias), rtol=0, atol=0)
+        loaded = nn.Sequential(GroupQuantLinear(128, 512, 4, 32, bias=True, input_scaled=True))
+        assert loaded[0].kernel_weight is None
+        loaded.load_state_dict({f"0.{k}": v for k, v in module.state_dict().items()})
+        x = torch.randn(1, 1, 128)
+        assert torch.equal(loaded(x), module(x))
+
+
+@pytest.mark.parametrize("bits, group", [(3, 32), (4, 16)])
+def test_the_int4_kernel_is_left_out_where_it_does_not_apply(bits, group):
+    module = GroupQuantLinear.from_linear(nn.Linear(64, 32), bits, group)
+    assert module.kernel_weight is None
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), nn.functional.linear(x, module.dequantize(), module.bias),
+                                   rtol=0, atol=0)
+
+
 class Outliers(nn.Module):
     """Tokens → embeddings with a few channels 30× larger than the rest (as LLM activations have) → a
     linear layer: the setting AWQ is made for."""

@@ -11,11 +11,16 @@ one byte each; the codes are bit-packed (:mod:`lmlab_compress.packing`): at 4 bi
 32, a weight costs 4 + 24/32 = 4.75 bits instead of 32.
 
 The forward dequantises the whole weight to the input's dtype and calls ``F.linear``; nothing is
-cached, so the model keeps its quantised size, and it is slower than float32. torch's own int4 kernel
-(``_weight_int4pack_mm_for_cpu``) is no way out on float32 inputs: on this project's CPU it was as slow
-at one token and far slower at more. It is fast only on bfloat16 inputs, and its packed layout depends
-on the CPU's vector width, so a state dict holding it would not load on another machine
-(``bench/quant_linear.py``; figures in the plugin's README).
+cached, so that path is slower than float32, most of all for a decode step's one row. So at 4 bits,
+with groups of 32 to 256, a call of at most ``KERNEL_ROWS`` rows on the CPU goes to torch's own int4
+kernel (``_weight_int4pack_mm_for_cpu``) on bfloat16 activations instead. At one token of a
+1024 → 4096 layer that takes 0.42 of float32's time where dequantising takes 6.4×; on a 128-wide
+layer the call's casts around the kernel leave it at 3× float32's, a third of dequantising's
+(``bench/quant_linear.py``; figures in the plugin's README). The kernel is slow on float32 inputs and
+from a few dozen rows, hence bfloat16 and the row bound. Rounding activations and scales to bfloat16
+adds an error about 20× below the 4-bit weights' own. Its packed layout depends on the CPU's vector
+width, so it is built from the codes when the layer is made or loaded and kept out of the state dict,
+which stays portable; it costs about as many bytes again as the codes.
 """
 
 from typing import Literal
@@ -27,6 +32,14 @@ from torch import nn
 from lmlab.api import Field, Options, UserError
 from lmlab_compress.linears import LinearQuantizer, skip_field
 from lmlab_compress.packing import pack, packed_length, unpack, unpack_float
+
+#: calls of at most this many rows (a decode step's tokens) use torch's int4 kernel where it runs
+KERNEL_ROWS = 8
+#: the group sizes that kernel takes
+KERNEL_GROUPS = (32, 64, 128, 256)
+# Looked up once: resolving an op through torch.ops costs microseconds, as much as a small layer's matmul.
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
+_INT4_PACK = getattr(getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None), "default", None)
 
 
 def _round_up_fp16(scale: torch.Tensor) -> torch.Tensor:
@@ -98,6 +111,10 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.register_buffer("input_scale", torch.ones(in_features) if input_scaled else None)
+        # torch's int4 kernel's copy of the weight, rebuilt from the codes (pack_kernel), never saved
+        self.register_buffer("kernel_weight", None, persistent=False)
+        self.register_buffer("kernel_scales", None, persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.pack_kernel())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int, asymmetric: bool = True,
@@ -115,7 +132,27 @@ class GroupQuantLinear(nn.Module):
             module.bias.copy_(linear.bias.detach().float())
         if input_scale is not None:
             module.input_scale.copy_(input_scale)
-        return module.to(linear.weight.device)
+        module = module.to(linear.weight.device)
+        module.pack_kernel()
+        return module
+
+    def pack_kernel(self) -> None:
+        """Build (or drop) the int4 kernel's copy of the weight from the codes: on the CPU, at 4 bits and
+        a group size the kernel takes, where this torch has it."""
+        self.kernel_weight = self.kernel_scales = None
+        if self.bits != 4 or self.group_size not in KERNEL_GROUPS or self.qweight.device.type != "cpu" \
+                or _INT4_MM is None or _INT4_PACK is None:
+            return
+        try:
+            weight = _INT4_PACK(self.codes().to(torch.int32), 1)
+            # The kernel reads w = (q − 8) · scale + zero per (group, output); ours is (q − z) · s,
+            # which is that with zero = (8 − z) · s.
+            s, z = self.scales.float(), self.zeros.float()
+            scales = torch.stack((s, (8 - z) * s), -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            _INT4_MM(torch.zeros(1, self.in_features, dtype=torch.bfloat16), weight, self.group_size, scales)
+        except (RuntimeError, NotImplementedError):  # a shape or CPU the kernel refuses: dequantise instead
+            return
+        self.kernel_weight, self.kernel_scales = weight, scales
 
     def codes(self) -> torch.Tensor:
         return unpack(self.qweight, self.bits, self.in_features)
@@ -129,6 +166,14 @@ class GroupQuantLinear(nn.Module):
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        rows = x.numel() // self.in_features
+        # (a model cast with .float() or moved off the CPU since packing takes the dequantising path)
+        if self.kernel_weight is not None and rows <= KERNEL_ROWS and x.device.type == "cpu" \
+                and self.kernel_scales.dtype == torch.bfloat16:
+            y = _INT4_MM(x.reshape(rows, self.in_features).to(torch.bfloat16), self.kernel_weight, self.group_size,
+                         self.kernel_scales)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:

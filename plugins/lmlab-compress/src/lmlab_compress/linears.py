@@ -56,12 +56,15 @@ def linear_at(model: nn.Module, name: str) -> nn.Linear:
 
 
 def weight_bytes(modules) -> int:
-    """Bytes of the parameters and buffers of ``modules`` (each counted once)."""
+    """Bytes of the state of ``modules`` as saved (each tensor counted once): the stored format, without
+    what a layer rebuilds from it when loaded (an int4 kernel's copy of the weight)."""
+    # by storage, not id(): state_dict() hands out fresh detached views of the same storage
     seen, total = set(), 0
     for module in modules:
-        for t in (*module.parameters(), *module.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
+        for t in module.state_dict().values():
+            where = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if where not in seen:
+                seen.add(where)
                 total += t.numel() * t.element_size()
     return total
 
