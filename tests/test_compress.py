@@ -190,3 +190,21 @@ def test_an_existing_output_folder_is_left_alone(base, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert main(["compress", str(base), "--use", "rtn", "--out", str(out)]) == 2
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_a_lora_run_is_merged_then_compressed_into_a_plain_run(base, tmp_path):
+    """Compressing a PEFT run folds the adapter into the base first, as lmlab merge does: the new folder
+    is a plain run, scored against the adapted model."""
+    tune = MANIFEST.replace("max_steps = 700", "max_steps = 20").replace("eval_every = 700", "eval_every = 20").replace(
+        "checkpoint_every = 700", "checkpoint_every = 20") + \
+        f'\n[init]\nfrom = "{base}"\n\n[peft]\nuse = "lora"\nr = 4\nalpha = 8\ntargets = ["q", "v"]\n'
+    (tmp_path / "lora.toml").write_text(tune)
+    shutil.copy(CORPUS, tmp_path / "shakespeare.txt")
+    assert main(["run", str(tmp_path / "lora.toml"), "--out", str(tmp_path / "runs")]) == 0
+    lora = tmp_path / "runs" / "default"
+    summary = compress(lora, tmp_path / "out", "--use", "rtn")
+    assert summary["merged_peft"] == "lora"
+    trained = json.loads((lora / "summary.json").read_text())
+    assert summary["base"]["val_loss"] == pytest.approx(trained["val_loss"], abs=1e-5)  # the adapted model's
+    assert "peft" not in (tmp_path / "out" / "manifest.toml").read_text()
+    assert summary["val_ppl"] > summary["base"]["val_ppl"]

@@ -42,6 +42,11 @@ def compress(run_dir: Path, methods: list[Method], out: Path, *, calibration_fil
                         key=exc.key) from None
     refuse_bidirectional(run.objective)
     model = run.model.to(device).float().eval()
+    if run.peft is not None:
+        # A PEFT run is compressed as lmlab merge would leave it, the adapter folded into the base (what a
+        # deployment quantises); the new folder is a plain run, without the [peft] table.
+        with torch.no_grad():
+            run.peft.merge(model)
     variant, block = run.variant, run.shape.block_size
     tokens = _validation_tokens(run, methods, calibration_file)
     if calibration_file is not None:
@@ -128,6 +133,7 @@ def _write_folder(run, run_dir: Path, model, records: list[dict], methods: list[
     shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted compression
     staging.mkdir(parents=True)
     manifest = read_toml(run_dir / "manifest.toml")
+    manifest.pop("peft", None)  # merged before compressing (above)
     manifest["compress"] = {"use": [m.name for m in methods], **{m.name: m.options for m in methods}}
     manifest["description"] = (f"{manifest.get('description', manifest.get('name', ''))} — compressed with "
                                f"{' + '.join(m.label for m in methods)} from {run_dir}").strip(" —")
@@ -163,6 +169,7 @@ def _summary(run, run_dir, records, before, after, loaded, calibration, calibrat
         "speedup": ratio(after.tokens_per_s, before.tokens_per_s),
         "compress": methods,
         "source": str(Path(run_dir).resolve()),
+        "merged_peft": run.peft.name if run.peft is not None else None,
         "calibration": {"from": calibration_from, "windows": len(calibration.windows), "tokens": calibration.tokens},
         "generation": {"prompts": measure.PROMPTS, "prompt_tokens": measure.PROMPT_TOKENS,
                        "new_tokens": measure.NEW_TOKENS, "batch": 1, "decoder": run.plugins["decoding"].name},
