@@ -68,7 +68,10 @@ def test_every_api_slot_renders_to_a_distribution_that_imports_only_lmlab_api(sl
     assert project["entry-points"][f"lmlab.{slot}"] == {"my-thing": f"lmlab_my_thing.my_thing:{plan.cls}"}
     assert any(dep.startswith("lmlab>=") for dep in project["dependencies"])
     example = tomllib.loads(files["example.toml"])
-    assert example[slot]["use"] == (["my-thing"] if slot in MANY_SLOTS else "my-thing")
+    if slot == "compress":  # applied to a trained run by `lmlab compress`, never named in a training manifest
+        assert slot not in example and "lmlab compress runs/my-thing-example/default --use my-thing" in files["README.md"]
+    else:
+        assert example[slot]["use"] == (["my-thing"] if slot in MANY_SLOTS else "my-thing")
     plugin = files[f"src/lmlab_my_thing/{plan.module}.py"]
     core = {m for m in imports_of(plugin) if m == "lmlab" or m.startswith("lmlab.")}
     assert core == {"lmlab.api"}, core
@@ -147,6 +150,8 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     for dist in dists:
         example = tomllib.loads((dist / "example.toml").read_text())
         slot = dist.name.removeprefix("lmlab-my-")
+        if slot == "compress":  # used on the trained run below
+            continue
         manifest[slot] = example[slot]
         if slot == "data":
             manifest[slot]["path"] = str(dist / "example.txt")
@@ -167,7 +172,7 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "completed"
     for slot in slots:
-        if slot != "parallel":
+        if slot not in ("parallel", "compress"):
             used = summary["plugins"][slot]
             assert (used[0] if slot in MANY_SLOTS else used)["distribution"] == f"lmlab-my-{slot}"
     assert 0 < summary["trainable_params"] < summary["params"] and summary["adapter_bytes"] > 0  # my-peft
@@ -178,6 +183,13 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     assert used["distribution"] == "lmlab-my-parallel"
     assert "my-monitor/loss_ema" in (folder / "metrics.jsonl").read_text()  # a hook of a many-valued slot
     assert (folder / "tracker.jsonl").is_file()  # the generated tracker
+    compressed = tmp_path / "compressed"
+    run = run_cli("compress", str(folder), "--use", "my-compress", "--out", str(compressed), "--timing-rounds", "1",
+                  env={"PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((compressed / "summary.json").read_text())
+    assert summary["plugins"]["compress"][0]["distribution"] == "lmlab-my-compress"
+    assert summary["compress"][0]["sparsity"] > 0.29
     assert not (ROOT / "plugins" / "lmlab-my-ffn").exists()  # nothing was added to the repository
 
 

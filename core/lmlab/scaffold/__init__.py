@@ -5,12 +5,15 @@ The templates are files under ``templates/`` (package data, shipped in the wheel
 ends in ``.tmpl``, so that no tool takes a template for Python source of the core:
 
     templates/common/         pyproject.toml, README.md, the package's __init__.py, example.toml, ...
-    templates/slots/<slot>/   plugin.py, test.py and table.toml (the slot's manifest table) of a slot
+    templates/slots/<slot>/   plugin.py, test.py and table.toml (the slot's manifest table) of a slot,
+                              and README.md where the common one does not fit (compress)
     templates/slots/generic/  the same for a slot without its own: a plugin that implements a hook
 
 Every slot of ``lmlab.api.SLOT_BASES`` has a template: attention, position and ffn (the slots of the
-conformance kit), peft and every other slot with a base class of its own have dedicated ones; the
-rest (filter, monitor, compress, whose plugins act through lifecycle hooks) use the generic one.
+conformance kit), peft, compress and every other slot with a base class of its own have dedicated
+ones; the rest (filter, monitor, whose plugins act through lifecycle hooks) use the generic one. A
+compress method runs on a trained run (``lmlab compress``), not in a training manifest: its table is
+a comment saying so, and its example trains the run to compress.
 A generated plugin imports from the core only ``lmlab.api``; its tests also use ``lmlab.testing``.
 """
 
@@ -108,7 +111,7 @@ def render(p: Plan) -> dict[str, str]:
     tracker_table = "" if p.slot == "tracker" else '[tracker]\nuse = "none"\n\n'
     return {
         "pyproject.toml": fill(common, "pyproject.toml"),
-        "README.md": fill(common, "README.md", table=table),
+        "README.md": fill(slot_dir if (slot_dir / "README.md.tmpl").is_file() else common, "README.md", table=table),
         ".gitignore": fill(common, "gitignore"),
         "example.toml": fill(common, "example.toml", data_table=data_table, tracker_table=tracker_table,
                              table=table),
