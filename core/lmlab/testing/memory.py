@@ -115,6 +115,17 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_bytes() -> int:
+    """This process's own peak resident set: VmHWM, the high-water mark of its address space. Not
+    getrusage's ru_maxrss, which Linux carries over an exec from the process that spawned this one
+    (with vfork, the parent's whole peak): a test suite grown to a gigabyte would be measured here."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no VmHWM: Linux reports KiB
+
+
 class _PeakProbe:
     """Writes this process's peak resident set after every training step (the last one wins)."""
 
@@ -126,7 +137,7 @@ class _PeakProbe:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = _peak_rss_bytes()
         (self.out / f"rank{rank}.json").write_text(json.dumps({"baseline": self.baseline, "peak": peak}))
 
 
