@@ -30,6 +30,15 @@ def random_llama(**config):
     return model
 
 
+def refused(result, key: str) -> str:
+    """The one error line of a command stopped by bad input, which must name ``key``."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lmlab: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"lmlab: error: {key}:"), result.stderr
+    return errors[0]
+
+
 def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """The real `python -m lmlab` started in a subprocess (one thread), stderr captured as text."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

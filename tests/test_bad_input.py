@@ -9,16 +9,7 @@ import pytest
 import torch
 
 from lmlab.cli.main import main
-from support import run_cli
-
-
-def refused(result, key: str) -> str:
-    """The one error line of a command stopped by bad input, which must name ``key``."""
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lmlab: error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"lmlab: error: {key}:"), result.stderr
-    return errors[0]
+from support import refused, run_cli
 
 
 def run(path, tmp_path, *args):

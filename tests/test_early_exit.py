@@ -20,7 +20,7 @@ from lmlab.generation.engine import make_engine
 from lmlab.generation.outputs import Outputs
 from lmlab.model import LanguageModel, compute_loss
 from lmlab.trained import load_run
-from support import run_cli
+from support import refused, run_cli
 
 SHAPE = ModelShape(n_layers=4, d_model=32, n_heads=4, block_size=64, vocab_size=29)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -328,14 +328,6 @@ def test_train_only_exit_heads_on_a_trained_run_freezes_everything_else(words):
 
 
 # -- bad input ------------------------------------------------------------------------------------------
-
-def refused(result, key: str) -> str:
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lmlab: error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"lmlab: error: {key}:"), result.stderr
-    return errors[0]
-
 
 @pytest.mark.parametrize("layers", ["[1]", "[-1]", "[0, 0]"])
 def test_exit_layers_outside_the_model_or_repeated_are_refused(tiny_manifest, layers, capsys):

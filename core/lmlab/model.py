@@ -166,22 +166,17 @@ class LanguageModel(nn.Module):
         else:
             x = idx  # a later pipeline stage: the previous stage's hidden states (B, T, C)
         states = cache.states if cache is not None else (None,) * len(self.blocks)
-        if exits:
-            exit_logits = []
-            for i in range(first, stop):
-                x = self.blocks[i](x, ctx, states[i])
-                if i in self.exit_layers:
-                    exit_logits.append(self.head(self.exit_heads[str(i)](x)))
-            if cache is not None:
-                cache.length = start + T
-            return self.head(self.norm_f(x)), exit_logits
+        exit_logits = []
         for i in range(first, stop):
             x = self.blocks[i](x, ctx, states[i])
+            if exits and i in self.exit_layers:
+                exit_logits.append(self.head(self.exit_heads[str(i)](x)))
         if cache is not None:
             cache.length = start + T
         if stop < len(self.blocks):
             return x
-        return self.head(self.norm_f(x))
+        logits = self.head(self.norm_f(x))
+        return (logits, exit_logits) if exits else logits
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses the ffn modules stored in their last forward (e.g. MoE balance)."""

@@ -258,11 +258,10 @@ def _restructure_compressed(model, checkpoint: Path) -> None:
     """An init that ``lmlab compress`` wrote: give the model the structure its methods left (quantised
     layers, pruned heads) before its weights load; the fine-tune's checkpoints carry the records on."""
     from lmlab.checkpoint import load
+    from lmlab.compress.restore import KEY, restructure
 
-    records = load(checkpoint, mmap=True).get("lmlab_compress")
+    records = load(checkpoint, mmap=True).get(KEY)
     if records:
-        from lmlab.compress.restore import restructure
-
         restructure(model, records, checkpoint)
 
 

@@ -16,6 +16,7 @@ def restructure(model, records: list[dict], where: Path | str) -> None:
     from lmlab import discovery
     from lmlab.tables import validate_options
 
+    check_loadable(records, where)
     for entry in records:
         name = entry["plugin"]
         cls = discovery.load("compress", name, key=str(where))
@@ -29,6 +30,7 @@ def records_of(model) -> list[dict] | None:
     return getattr(model, "lmlab_compress", None) or None
 
 
-def check_loadable(records) -> None:
+def check_loadable(records, where: Path | str) -> None:
+    """A UserError naming the checkpoint when its entry is not a list of method records."""
     if not isinstance(records, list) or not all(isinstance(r, dict) and "plugin" in r for r in records):
-        raise UserError("its lmlab_compress entry is not a list of method records", key=KEY)
+        raise UserError(f"its {KEY} entry is not a list of method records", key=str(where))

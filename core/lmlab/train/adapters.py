@@ -139,10 +139,10 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
 
     checkpoint = load(ckpt_path)
     step = int(checkpoint.get("global_step", 0))
-    if "lmlab_compress" in checkpoint:  # a compressed run: its methods' structure first (lmlab.compress)
-        from lmlab.compress.restore import restructure
+    from lmlab.compress.restore import KEY, restructure
 
-        restructure(model, checkpoint["lmlab_compress"], ckpt_path)
+    if KEY in checkpoint:  # a compressed run: its methods' structure first (lmlab.compress)
+        restructure(model, checkpoint[KEY], ckpt_path)
     info = checkpoint.get("lmlab_peft")
     if info is None:
         model.load_state_dict(state_of(checkpoint))

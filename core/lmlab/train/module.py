@@ -5,6 +5,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmlab.api import IGNORE_INDEX, UserError
+from lmlab.compress.restore import KEY as COMPRESS_KEY
+from lmlab.compress.restore import records_of
 from lmlab.model import compute_loss
 from lmlab.train.batches import FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows
 from lmlab.train.memory import SavedBytes
@@ -209,8 +211,9 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Dropout draws from the global generator: keep it so a resumed run continues identically.
         checkpoint["lmlab_rng"] = torch.get_rng_state()
-        if getattr(self.model, "lmlab_compress", None):  # fine-tuned from a compressed run: how to rebuild it
-            checkpoint["lmlab_compress"] = self.model.lmlab_compress
+        records = records_of(self.model)
+        if records:  # fine-tuned from a compressed run: how to rebuild it
+            checkpoint[COMPRESS_KEY] = records
         if self.peft is not None:  # the adapter's entries only; the base is in base.safetensors
             self.peft.prune(checkpoint)
 
