@@ -11,6 +11,7 @@ the data or fits a tokenizer: a tokenizer that learns its vocabulary from the da
 vocabulary unknown here, and what depends on it is checked when the run starts.
 """
 
+from lmlab import objective_runs
 from lmlab.api import CheckContext, UserError
 from lmlab.assemble import assemble
 
@@ -47,7 +48,25 @@ def run(variant, machine: bool = True) -> CheckContext:
     for value in plugins.values():
         for plugin in value if isinstance(value, list) else [value]:
             plugin.check(context)
+    _check_objective_runs_model(variant, plugins)
+    _check_curriculum(variant, plugins["objective"])
+    objective_runs.check(variant, plugins["objective"], built.tokenizer)
     return context
+
+
+def _check_objective_runs_model(variant, plugins) -> None:
+    """An objective that runs the model itself (Objective.forward_loss) gets the whole model, so no
+    pipeline stages, and no exit heads (their loss is the core's default step)."""
+    objective = plugins["objective"]
+    if not objective.runs_model():
+        return
+    if getattr(plugins.get("parallel"), "runs_forward_backward", False):
+        raise UserError(f"objective {objective.name!r} runs the whole model itself (pairs, heads or rollouts), "
+                        f"which parallel plugin {plugins['parallel'].name!r} splits into pipeline stages; use "
+                        "another parallel plugin", key="parallel.use")
+    if variant.model.exit_layers:
+        raise UserError(f"exit heads are trained by the next-token objectives; objective {objective.name!r} runs "
+                        "the model itself: leave model.exit_layers empty", key="model.exit_layers")
 
 
 def run_all(variants) -> dict:
@@ -81,3 +100,13 @@ def _without_random_init():
             return func(*args, **(kwargs or {}))
 
     return WithoutRandomInit()
+
+
+def _check_curriculum(variant, objective) -> None:
+    """``data.curriculum = "objective"`` needs an objective that scores documents."""
+    from lmlab.api import Objective
+
+    if getattr(variant.options("data"), "curriculum", "none") == "objective" \
+            and type(objective).difficulty is Objective.difficulty:
+        raise UserError(f"objective {objective.name!r} gives no difficulty score (Objective.difficulty); use length "
+                        "or rarity", key="data.curriculum")

@@ -70,7 +70,7 @@ class LanguageModel(nn.Module):
 
     def __init__(self, shape: ModelShape, *, position, attention, ffn, norm: str = "layernorm",
                  norm_eps: float = 1e-5, tie_embeddings: bool = True, causal: bool = True,
-                 exit_layers: tuple[int, ...] = ()):
+                 exit_layers: tuple[int, ...] = (), heads=None):
         super().__init__()
         self.shape = shape
         # False for a bidirectional objective (masked LM): every mixer sees the whole window. The
@@ -96,6 +96,9 @@ class LanguageModel(nn.Module):
         self.exit_heads = nn.ModuleDict({str(i): build_norm(norm, shape, norm_eps) for i in self.exit_layers}) \
             if self.exit_layers else None
         self.reset_parameters()
+        # The objective's own modules (Objective.heads: a reward model's scalar head, PPO's value head),
+        # initialised by the objective; None without any, so other models' state dicts are unchanged.
+        self.heads = nn.ModuleDict(dict(heads)) if heads else None
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, init_std) embeddings; each plugin module initialises its own weights."""
@@ -113,6 +116,9 @@ class LanguageModel(nn.Module):
         self.norm_f.reset_parameters()
         for norm in self.exit_heads.values() if self.exit_heads is not None else ():
             norm.reset_parameters()
+        for head in getattr(self, "heads", None).values() if getattr(self, "heads", None) is not None else ():
+            if hasattr(head, "reset_parameters"):  # the objective's own initialisation, again
+                head.reset_parameters()
 
     def set_checkpointing(self, policy: str) -> None:
         """Activation checkpointing for every block: one of CHECKPOINTING."""
@@ -145,9 +151,11 @@ class LanguageModel(nn.Module):
             self.norm_f = self.head = None
         self.span = (start, stop)
 
-    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, exits: bool = False):
+    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, exits: bool = False,
+                hidden: bool = False):
         """idx (B, T) → logits (B, T, V). ``exits`` (a model with exit heads): (logits, [the logits
-        (B, T, V) of each exit head, in block order]), what the training loss of early exit needs."""
+        (B, T, V) of each exit head, in block order]), what the training loss of early exit needs.
+        ``hidden``: the final norm's output (B, T, C) instead of logits, for an objective's heads."""
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
         positions = getattr(cache, "positions", None)  # the engine's rows: set per forward pass
@@ -175,6 +183,8 @@ class LanguageModel(nn.Module):
             cache.length = start + T
         if stop < len(self.blocks):
             return x
+        if hidden:
+            return self.norm_f(x)
         logits = self.head(self.norm_f(x))
         return (logits, exit_logits) if exits else logits
 
@@ -219,7 +229,7 @@ class StepLoss(NamedTuple):
     total: torch.Tensor  # what is minimised: the objective's loss plus auxiliary losses
     loss: torch.Tensor  # the objective's loss alone (reported as train/val loss)
     aux: torch.Tensor | None  # the sum of the auxiliary losses, if any module reported one
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when the objective ran the model itself (Objective.forward_loss)
     exits: torch.Tensor | None = None  # (E,) the objective's loss at each exit head (model.exit_layers), unweighted
 
 
@@ -231,6 +241,11 @@ def compute_loss(model: LanguageModel, objective, batch, forward=None, exit_weig
     and the Depth-Adaptive Transformer, Elbayad et al. 2020, with equal weights), while ``loss``
     stays the output head's."""
     run = model if forward is None else forward
+    if getattr(objective, "runs_model", None) is not None and objective.runs_model():
+        # The objective runs the (eager) model itself: pairs, heads, rollouts (Objective.forward_loss).
+        loss = objective.forward_loss(model, batch)
+        aux = model.aux_loss()
+        return StepLoss(loss if aux is None else loss + aux, loss, aux, None)
     if getattr(model, "exit_heads", None) is None:
         logits = run(batch.input_ids)
         loss = objective.loss(logits, batch)
@@ -265,7 +280,8 @@ def build_model(model, shape: ModelShape, plugins: dict) -> LanguageModel:
     built = LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
                           ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
                           tie_embeddings=model.tie_embeddings, causal=causal,
-                          exit_layers=tuple(getattr(model, "exit_layers", ())))
+                          exit_layers=tuple(getattr(model, "exit_layers", ())),
+                          heads=objective.heads(shape) if objective is not None else None)
     decoder = plugins.get("decoding")
     if getattr(getattr(decoder, "options", None), "exit_threshold", None) is not None:
         # Early exit needs exit heads and a one-token-per-step decoder: refused here, so `lmlab check`,

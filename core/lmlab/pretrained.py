@@ -269,7 +269,8 @@ def load_state(model, state: dict, strict: bool = True, their_block_size: int | 
                source: Path | str = "the init") -> None:
     """Copy ``state`` into ``model`` name by name; a UserError for a shape that differs (naming the
     parameter) or, when ``strict``, for a weight either side lacks (naming init.strict), except the
-    model's exit heads (``model.exit_layers``), which an init trained without them does not hold. A
+    model's exit heads (``model.exit_layers``), which an init trained without them does not hold, and
+    either side's objective heads (``Objective.heads``). A
     position table sized by a larger ``their_block_size`` is cut to the model's block_size."""
     own = model.state_dict()
     block = model.shape.block_size
@@ -300,6 +301,11 @@ def load_state(model, state: dict, strict: bool = True, their_block_size: int | 
         if final in fitted and fitted[final].shape == own[name].shape:
             fitted[name] = fitted[final]
     missing = [k for k in missing if not k.startswith("exit_heads.")]
+    # An objective's heads (Objective.heads) belong to the objective that trained them: this run's start
+    # as the objective built them, and an init's that this run lacks are left behind (an SFT run
+    # starting a reward model; a reward model starting a policy).
+    missing = [k for k in missing if not k.startswith("heads.")]
+    unexpected = [k for k in unexpected if not k.startswith("heads.")]
     if strict and (missing or unexpected):
         parts = []
         if missing:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.peft import Peft, module_roles, resolve_roles
     from lmlab.api.plugin import Plugin
     from lmlab.api.position import Position, PositionModule
+    from lmlab.api.runs import ObjectiveContext, TrainedRun
     from lmlab.api.shape import ModelShape
     from lmlab.api.tokenizer import Tokenizer
     from lmlab.api.tracker import RunInfo, Tracker
@@ -109,6 +110,8 @@ _EXPORTS = {
     "Plugin": "lmlab.api.plugin",
     "Position": "lmlab.api.position",
     "PositionModule": "lmlab.api.position",
+    "ObjectiveContext": "lmlab.api.runs",
+    "TrainedRun": "lmlab.api.runs",
     "ModelShape": "lmlab.api.shape",
     "Tokenizer": "lmlab.api.tokenizer",
     "RunInfo": "lmlab.api.tracker",

@@ -28,6 +28,12 @@ class Batch:
         """Input tokens in the batch (B · T)."""
         return self.input_ids.numel()
 
+    def n_scored(self) -> torch.Tensor:
+        """What evaluation weights this batch's loss by, to get the loss of the whole split: the
+        number of targets that are not [IGNORE_INDEX][lmlab.api.batch.IGNORE_INDEX] (a 0-dim tensor).
+        A batch whose loss is a mean over something else (pairs, sequences) overrides it (API 1.10)."""
+        return (self.targets != IGNORE_INDEX).sum()
+
 
 def stream_seed(*key: int) -> int:
     """A 63-bit seed from integers (run seed, stream, batch index), well mixed by numpy's SeedSequence,

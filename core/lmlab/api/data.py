@@ -3,7 +3,7 @@
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Union
+from typing import Callable, ClassVar, Iterable, Literal, Union
 
 from lmlab.api.options import Field, Options
 from lmlab.api.plugin import Plugin
@@ -18,6 +18,20 @@ class Segment:
     """The piece of text, joined to its neighbours with nothing in between."""
     scored: bool = True
     """Whether a prompt-masked objective (``sft``) scores this segment's tokens."""
+    label: int = 1
+    """What the prepared loss mask holds on this segment's tokens when it is scored, 1–255 (API 1.10):
+    an objective that scores several parts of a record differently tells them apart by it (a
+    preference pair: 1 on the chosen answer, 2 on the rejected one). An unscored segment's mask is 0
+    whatever its label."""
+
+    def __post_init__(self):
+        if not isinstance(self.label, int) or not 1 <= self.label <= 255:
+            raise ValueError(f"Segment.label must be an integer in 1..255, got {self.label!r}")
+
+    @property
+    def mask_value(self) -> int:
+        """The loss mask's value on this segment's tokens: its label when scored, else 0."""
+        return self.label if self.scored else 0
 
 
 @dataclass(frozen=True)
@@ -25,8 +39,9 @@ class Record:
     """A document in parts, so that instruction data keeps the prompt apart from the response.
 
     ``lmlab prepare`` tokenises the segments one after another (adding nothing between them) and
-    writes, beside the tokens, a mask that is 1 on the tokens of scored segments and on the
-    end-of-document token, 0 on the others: a prompt-masked objective (``sft``) scores only where it
+    writes, beside the tokens, a mask that holds each scored segment's
+    [label][lmlab.api.data.Segment.label] (1 unless set) on its tokens, and on the end-of-document
+    token the last segment's (1 when that one is unscored), 0 on the others: a prompt-masked objective (``sft``) scores only where it
     is 1, while ``causal-lm`` trains on the whole text. Filters decide on the whole
     [text][lmlab.api.data.Record.text] and rewrite each segment on its own, so a replacement never
     crosses the prompt/response boundary.
@@ -47,7 +62,7 @@ class Record:
 
     def map_text(self, fn: Callable[[str], str]) -> "Record":
         """The record with ``fn`` applied to the text of every segment."""
-        return Record(tuple(Segment(fn(s.text), s.scored) for s in self.segments))
+        return Record(tuple(Segment(fn(s.text), s.scored, s.label) for s in self.segments))
 
 
 Document = Union[str, Record]
@@ -79,6 +94,10 @@ def document_text(doc: Document) -> str:
     return doc if isinstance(doc, str) else doc.text
 
 
+#: DataOptions that decide how training draws from the corpus, not what it holds (not in the fingerprint).
+SAMPLING_OPTIONS = frozenset({"replay", "curriculum", "curriculum_start", "curriculum_steps", "curriculum_pacing"})
+
+
 class DataOptions(Options):
     """Options every data source has; a plugin's options subclass these."""
 
@@ -88,6 +107,16 @@ class DataOptions(Options):
     replay: float = Field(
         0.0, ge=0, lt=1, help="share of training rows taken instead from the [init] run's own training corpus "
                               "(replay against forgetting while fine-tuning; API 1.4)")
+    curriculum: Literal["none", "length", "rarity", "objective"] = Field(
+        "none", help="order training documents from easy to hard (API 1.10): by length in tokens, by token rarity "
+                     "(mean -log unigram frequency), or by the objective's own difficulty score; none: uniform")
+    curriculum_start: float = Field(
+        0.2, gt=0, le=1, help="share of the training documents, the easiest, that training draws from at step 0")
+    curriculum_steps: int = Field(
+        1000, ge=1, help="the step from which training draws from every document (the share grows until then)")
+    curriculum_pacing: Literal["linear", "root"] = Field(
+        "root", help="how the share grows: linear, or root (sqrt; Platanios et al. 2019's competence, which adds "
+                     "hard documents sooner)")
 
 
 class DataSource(Plugin):
@@ -138,8 +167,8 @@ class DataSource(Plugin):
         hashes the plugin's name and options (all but ``replay``); sources that read files should
         also hash their contents.
         """
-        # replay decides what training mixes in, not which documents this source yields.
-        blob = json.dumps(self.options.model_dump(mode="json", exclude={"replay"}), sort_keys=True)
+        # replay and the curriculum decide how training draws, not which documents this source yields.
+        blob = json.dumps(self.options.model_dump(mode="json", exclude=SAMPLING_OPTIONS), sort_keys=True)
         return hashlib.sha256(f"{self.name}:{blob}".encode()).hexdigest()
 
     def chat_template(self) -> ChatTemplate | None:

@@ -16,7 +16,15 @@ class LanguageModel(Protocol):
     vocab_size: int
     """Rows of the embedding and head: the logits' last dimension V."""
 
-    def __call__(self, idx: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
+    head: torch.nn.Module
+    """The output head: final hidden states (B, T, C) → logits (B, T, V) (tied to the token embedding
+    unless ``model.tie_embeddings = false``)."""
+    heads: torch.nn.ModuleDict | None
+    """The objective's own modules ([Objective.heads][lmlab.api.objective.Objective.heads]: a reward
+    model's scalar head), or None (API 1.10)."""
+
+    def __call__(self, idx: torch.Tensor, cache: InferenceCache | None = None,
+                 hidden: bool = False) -> torch.Tensor:
         """idx (B, T) → logits (B, T, V). With a cache, idx continues the cached tokens.
 
         Args:
@@ -24,6 +32,8 @@ class LanguageModel(Protocol):
             cache: None to score ``idx`` alone; else a cache from
                 [new_cache][lmlab.api.model.LanguageModel.new_cache] whose ``length`` tokens
                 ``idx`` continues (its length grows by T).
+            hidden: Return the final norm's output (B, T, C), what ``head`` turns into logits,
+                instead of the logits (API 1.10): an objective's heads read it.
 
         Returns:
             Logits (B, T, V); in decoding (no autocast), in the parameters' dtype.

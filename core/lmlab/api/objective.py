@@ -25,6 +25,20 @@ when the run is built:
   asks for all of the above: it receives [Windows][lmlab.api.batch.Windows] (tokens, labels,
   padding, a seeded random stream) instead of a plain tensor. An objective that does not override it
   costs nothing extra per step.
+
+Alignment and transfer objectives (API 1.10) need more than logits:
+
+- [Objective.forward_loss][lmlab.api.objective.Objective.forward_loss]: overriding it runs the model
+  itself (two sequences per pair, hidden states into a head, rollouts), instead of the core's one
+  forward and [loss][lmlab.api.objective.Objective.loss].
+- [Objective.heads][lmlab.api.objective.Objective.heads]: modules added to the model (a reward
+  model's scalar head, PPO's value head), trained, saved and loaded with it.
+- [Objective.needs_runs][lmlab.api.objective.Objective.needs_runs] with
+  [check_runs][lmlab.api.objective.Objective.check_runs] and
+  [prepare][lmlab.api.objective.Objective.prepare]: other run folders (a frozen reference, a reward
+  model, a teacher; see [lmlab.api.runs][lmlab.api.runs]).
+- [Objective.report][lmlab.api.objective.Objective.report]: named per-sample figures (preference
+  accuracy, reward, KL) that reach metrics.jsonl and summary.json.
 """
 
 from collections.abc import Callable, Mapping
@@ -36,6 +50,11 @@ import torch
 
 from lmlab.api.batch import Batch, Windows
 from lmlab.api.plugin import Plugin
+from lmlab.api.runs import ObjectiveContext, TrainedRun
+from lmlab.api.shape import ModelShape
+
+#: Names [Objective.report][lmlab.api.objective.Objective.report] cannot take: the core's own figures.
+RESERVED_REPORTS = frozenset({"loss", "ppl", "exit_losses"})
 
 
 @dataclass(frozen=True)
@@ -147,6 +166,17 @@ class Objective(Plugin):
         """
         return None
 
+    def difficulty(self, split: TokenSplit) -> np.ndarray | None:
+        """A difficulty score per training document, for ``data.curriculum = "objective"`` (API 1.10):
+        training starts on the lowest-scored documents and adds harder ones on the curriculum's
+        schedule. Called once, on the training split, when the run's data is set up.
+
+        Returns:
+            (n_documents,) float, one per entry of ``split.document_starts``; None (the default):
+            this objective has no score, and the curriculum is refused naming ``data.curriculum``.
+        """
+        return None
+
     def make_batch(self, windows: torch.Tensor) -> Batch:
         """Turn token windows into model inputs and targets.
 
@@ -185,6 +215,88 @@ class Objective(Plugin):
         """Whether batches reach this objective as Windows (it overrides
         [make_batch_from][lmlab.api.objective.Objective.make_batch_from]); read once by the core."""
         return cls.make_batch_from is not Objective.make_batch_from
+
+    needs_runs: ClassVar[tuple[str, ...]] = ()
+    """Names of options whose values are other run folders (API 1.10): DPO's ``reference``, PPO's
+    ``reward_run``. An option left unset (None) means the ``[init]`` run; with no ``[init]`` run
+    either, the manifest is refused naming the option. Each run must share the run's tokenizer, id
+    for id. See [lmlab.api.runs][lmlab.api.runs]."""
+
+    def heads(self, shape: ModelShape) -> Mapping[str, torch.nn.Module]:
+        """Modules the objective adds to the model (API 1.10), e.g. ``{"reward": nn.Linear(d_model, 1)}``.
+
+        Called once whenever the model is built (training, and loading a trained run back, so its
+        checkpoint's ``heads.<name>.*`` weights have a place); the core puts them in
+        ``model.heads`` (an ``nn.ModuleDict``), where they are trained, saved and moved with the
+        model. A run whose ``[init]`` lacks them starts them as built here; an ``[init]`` that has
+        heads this run does not is loaded without them. Default: none (``model.heads`` is None)."""
+        return {}
+
+    def check_runs(self, runs: Mapping[str, TrainedRun]) -> None:
+        """Refuse other runs that cannot serve (API 1.10): a reward run trained with another objective.
+
+        Called by ``lmlab check`` and at the start of ``lmlab run``, after the core has read each run
+        of [needs_runs][lmlab.api.objective.Objective.needs_runs] (manifest and tokenizer; no model)
+        and checked its tokenizer. Default: nothing.
+
+        Raises:
+            UserError: naming the option (``key="objective.reward_run"``).
+        """
+
+    def prepare(self, context: ObjectiveContext) -> None:
+        """Receive the other runs' frozen models and the run's generate function (API 1.10).
+
+        Called once in every process of ``lmlab run``, after the model is built and its ``[init]``
+        loaded, before the first batch (the models reach the training device before it). Default:
+        nothing."""
+
+    def forward_loss(self, model, batch: Batch) -> torch.Tensor:
+        """Run the model on a batch and return the loss (API 1.10); overriding it replaces the core's
+        ``loss(model(batch.input_ids), batch)``.
+
+        Called where the core would have run the forward pass and
+        [loss][lmlab.api.objective.Objective.loss]: in training and evaluation, in every process, as
+        the module's mode says (``model.training``). ``model`` is the
+        [LanguageModel][lmlab.api.model.LanguageModel] being trained: ``model(ids)`` gives logits,
+        ``model(ids, hidden=True)`` the final hidden states (B, T, C), ``model.head`` maps those to
+        logits and ``model.heads`` holds [heads][lmlab.api.objective.Objective.heads]. The core
+        still adds the model's auxiliary losses. Runs the model as built (``train.compile`` does not
+        apply), and cannot be split into pipeline stages.
+
+        Returns:
+            A 0-dim floating-point tensor: the loss to minimise and report.
+        """
+        return self.loss(model(batch.input_ids), batch)
+
+    @classmethod
+    def runs_model(cls) -> bool:
+        """Whether this objective overrides [forward_loss][lmlab.api.objective.Objective.forward_loss];
+        read once by the core."""
+        return cls.forward_loss is not Objective.forward_loss
+
+    def report(self, name: str, values: torch.Tensor) -> None:
+        """Record per-sample values of a named figure in this loss call (API 1.10).
+
+        Call it from [loss][lmlab.api.objective.Objective.loss] or
+        [forward_loss][lmlab.api.objective.Objective.forward_loss] with a 1-D tensor (one value per
+        pair, sequence or token). The core averages the values over every sample of the logging
+        interval (metrics.jsonl's ``train_<name>``) and of the whole evaluation (``val_<name>``, all
+        processes together); the closing evaluation's go into summary.json. It adds no host sync:
+        values are summed on the device. ``name`` is a lowercase identifier, not ``loss``, ``ppl``
+        or ``exit_losses``.
+        """
+        if name in RESERVED_REPORTS or not name.isidentifier() or name != name.lower():
+            raise ValueError(f"objective {self.name!r} reports {name!r}: a figure's name is a lowercase identifier, "
+                             f"not one of {sorted(RESERVED_REPORTS)}")
+        values = values.detach().reshape(-1).float()
+        reports = self.__dict__.setdefault("_reports", {})
+        total, count = reports.get(name, (0.0, 0))
+        reports[name] = (values.sum() + total, values.numel() + count)
+
+    def take_reports(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """What [report][lmlab.api.objective.Objective.report] recorded since the last call, as
+        name → (sum, count); emptied. Called by the core after every loss call."""
+        return self.__dict__.pop("_reports", None) or {}
 
     def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The scalar loss to minimise, and to report as ``train_loss`` and ``val_loss``.

@@ -91,6 +91,17 @@ and raise the bound when the plugin starts to use a newer one.
      ``AttentionModule.prune_heads``. Early exit: ``DecodingOptions.exit_threshold`` (a decoder that
      picks one token per step may leave at the first exit head whose confidence reaches it; the core
      runs the loop, the plugin needs nothing new).
+
+1.10: Alignment and transfer objectives: ``Objective.forward_loss`` (the objective runs the model itself:
+     pairs, hidden states into a head, rollouts), ``Objective.heads`` (modules added to the model as
+     ``model.heads``, trained, saved and loaded with it), ``Objective.needs_runs`` with ``check_runs``
+     and ``prepare`` (other run folders, a frozen reference, reward model or teacher, as
+     ``lmlab.api.runs.TrainedRun``, and ``ObjectiveContext.generate``, rollouts with the run's decoding
+     plugin), ``Objective.report`` (per-sample figures into metrics.jsonl and summary.json as
+     ``train_<name>``/``val_<name>``), ``Batch.n_scored``. ``LanguageModel.__call__(idx, hidden=True)``
+     returns the final hidden states. ``Segment.label`` (the loss mask's value on a scored segment's
+     tokens, telling a record's scored parts apart). ``DataOptions.curriculum`` (order training
+     documents from easy to hard, by length, token rarity or the objective's ``difficulty``).
 """
 
-API_VERSION = "1.9"
+API_VERSION = "1.10"

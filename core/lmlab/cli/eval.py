@@ -1,7 +1,9 @@
-"""``lmlab eval RUN_DIR --data FILE``: held-out exact match of a run on instruction records.
+"""``lmlab eval RUN_DIR --data FILE``: held-out exact match of a run on instruction records, or, for an
+objective that runs the model itself (reward-model, dpo, ppo), its loss and reported figures.
 
 The records are read by the run's own data plugin (with ``data.path`` pointed at FILE), so the
-prompts are formatted by the same template as in training; see :mod:`lmlab.evaluate`.
+prompts are formatted by the same template as in training; see :mod:`lmlab.evaluate` and
+:mod:`lmlab.objective_eval`.
 """
 
 import json
@@ -33,6 +35,8 @@ def main(args) -> int:
     # The run's own data plugin reads the records, pointed at the held-out file: same template.
     overrides = [*args.overrides, f"data.path={json.dumps(str(args.data.resolve()))}"]
     run = load_run(args.run_dir, overrides)
+    if run.objective.runs_model():  # a reward model, DPO, PPO: the objective's own held-out figures
+        return _objective_scores(run, args)
     refuse_bidirectional(run.objective)
     records = []
     for doc in run.variant.instantiate("data").documents():
@@ -53,4 +57,42 @@ def main(args) -> int:
                              "correct": a.correct}) + "\n" for a in answers)
         atomic_write_bytes(args.out, "".join(lines).encode())
     print(f"exact match {score:.4f} ({sum(a.correct for a in answers)}/{len(answers)}) on {args.data}")
+    return 0
+
+
+def _records(run, args) -> list:
+    from lmlab.api import Record
+
+    records = []
+    for doc in run.variant.instantiate("data").documents():
+        if not isinstance(doc, Record):
+            raise UserError(f"data plugin {run.variant.manifest['data']['use']!r} yields plain text, not records",
+                            key="data.use")
+        records.append(doc)
+        if args.limit is not None and len(records) >= args.limit:
+            break
+    if not records:
+        raise UserError("holds no records", key=str(args.data))
+    return records
+
+
+def _objective_scores(run, args) -> int:
+    """An objective that runs the model itself, scored on the file as the run's closing evaluation scores
+    its validation split: the loss and every figure it reports."""
+    from lmlab import objective_eval, objective_runs
+
+    records = _records(run, args)
+    device = next(run.model.parameters()).device
+    for model in objective_runs.prepare(run.variant, run.objective, run.tokenizer, run.plugins.get("decoding")):
+        model.to(device)
+    split = objective_eval.record_split(records, run.tokenizer)
+    scores = objective_eval.evaluate(run.model, run.objective, split, run.shape.block_size,
+                                     run.variant.train.eval_batch_size, run.variant.seed)
+    figures = {"val_loss": scores.loss, **{f"val_{k}": v for k, v in scores.figures.items()}}
+    if args.out is not None:
+        from lmlab.rundir import atomic_write_bytes
+
+        atomic_write_bytes(args.out, (json.dumps({"records": scores.records, **figures}) + "\n").encode())
+    shown = " | ".join(f"{k} {v:.4f}" for k, v in figures.items())
+    print(f"{run.objective.name} on {scores.records} records of {args.data}: {shown}")
     return 0

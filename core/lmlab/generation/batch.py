@@ -46,6 +46,36 @@ def generate_tensor(decoder, model, prompt: torch.Tensor, max_new_tokens: int, e
     return torch.cat([prompt, new.view(B, n)], dim=1)
 
 
+@torch.inference_mode()
+def generate_ids(decoder, model, prompts: list[list[int]], max_new_tokens: int, *, stop_ids=(),
+                 generator: torch.Generator | None = None, eos_id: int | None = None) -> list[list[int]]:
+    """What ``ObjectiveContext.generate`` does (an objective's rollouts): the new tokens of each prompt
+    (any lengths) from ``decoder``, each cut after the first of ``stop_ids`` or at ``eos_id``, with the
+    model in eval mode for the call."""
+    if getattr(decoder, "needs_runs", ()):
+        raise ValueError(f"decoder {decoder.name!r} loads other runs, which an objective's rollouts do not provide")
+    if not prompts:
+        return []
+    decoder.prepare(model, {})
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest)
+    outputs = Outputs(None, [max_new_tokens] * len(prompts), eos_id=eos_id)
+    stops = set(stop_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in run_decoder(decoder, engine, [[int(t) for t in p] for p in prompts], outputs, generator):
+            pass
+    finally:
+        model.train(was_training)
+    made = []
+    for c in outputs.completions:
+        tokens = list(c.tokens) + ([eos_id] if c.finish_reason == "stop" and eos_id is not None else [])
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+        made.append(tokens if cut is None else tokens[:cut + 1])
+    return made
+
+
 @dataclass
 class Generation:
     outputs: Outputs

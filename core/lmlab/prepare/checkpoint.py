@@ -35,7 +35,7 @@ class Unusable(ValueError):
 
 def save(folder: Path, name: str, filters: dict[int, tuple[str, object]], pending) -> dict | None:
     """Write the checkpoint ``folder/name`` of ``filters`` (index → (name, instance)) and ``pending``
-    (the document held back: (((utf-8 bytes, scored), ...), is plain text), or None); returns its
+    (the document held back: (((utf-8 bytes, mask value), ...), is plain text), or None); returns its
     description for ``state.json``, or None, writing nothing, when a filter's ``state_dict`` is None."""
     arrays: dict[str, np.ndarray] = {}
     described = {}
@@ -55,7 +55,7 @@ def save(folder: Path, name: str, filters: dict[int, tuple[str, object]], pendin
         segments, is_text = pending
         arrays["pending"] = np.frombuffer(b"".join(data for data, _ in segments), dtype=np.uint8)
         ends = np.cumsum([len(data) for data, _ in segments]).tolist()
-        held = {"ends": ends, "scored": [bool(scored) for _, scored in segments], "is_text": bool(is_text)}
+        held = {"ends": ends, "scored": [int(value) for _, value in segments], "is_text": bool(is_text)}
     path = folder / name
     tmp = shards.temporary(path)
     try:
@@ -96,8 +96,9 @@ def load(folder: Path, description, filters: dict[int, tuple[str, object]]):
                 return None
             data = npz["pending"].tobytes()
             starts = [0, *held["ends"][:-1]]
-            segments = tuple((data[a:b], bool(scored)) for a, b, scored in zip(starts, held["ends"], held["scored"],
-                                                                                strict=True))
+            # "scored" held booleans before segments had labels: True is label 1.
+            segments = tuple((data[a:b], int(value)) for a, b, value in zip(starts, held["ends"], held["scored"],
+                                                                            strict=True))
             _require(bool(segments) and held["ends"][-1] == len(data), f"{name}: the held-back document is damaged")
             return segments, bool(held["is_text"])
     except Unusable:

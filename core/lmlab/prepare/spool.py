@@ -3,7 +3,7 @@
 
 A part of a split is ``<split>-NNNNN.txt`` (the documents' UTF-8 text, concatenated) and
 ``<split>-NNNNN.spans`` (int64 (n, 2): each segment's end byte and flags, ``SCORED`` for a segment a
-prompt-masked objective scores and ``FIRST`` for the first segment of a document).
+prompt-masked objective scores, with its label, and ``FIRST`` for the first segment of a document).
 """
 
 from pathlib import Path
@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 
 from lmlab.prepare import shards
-from lmlab.prepare.work import FIRST, SCORED
+from lmlab.prepare.work import FIRST, span_flags
 
 
 class Part:
@@ -24,10 +24,10 @@ class Part:
         self.documents = 0
 
     def add(self, segments) -> None:
-        for i, (data, scored) in enumerate(segments):
+        for i, (data, value) in enumerate(segments):
             self.chunks.append(data)
             self.size += len(data)
-            self.spans.append((self.size, (SCORED if scored else 0) | (FIRST if i == 0 else 0)))
+            self.spans.append((self.size, span_flags(int(value), i == 0)))
         self.documents += 1
 
     def write(self, spool: Path, name: str) -> dict:

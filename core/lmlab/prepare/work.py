@@ -25,8 +25,23 @@ from lmlab.api import Options, Record, document_text
 from lmlab.prepare.shards import SUFFIXES, shard_name, write_array
 
 # Flags of a spooled span (one segment of a document): scored by a prompt-masked objective, and
-# first segment of its document.
+# first segment of its document; bits from LABEL_SHIFT up hold the mask value of a scored segment
+# (Segment.label), which spools written before labels existed leave 0 (meaning 1).
 SCORED, FIRST = 1, 2
+LABEL_SHIFT = 8
+
+
+def span_flags(mask_value: int, first: bool) -> int:
+    """A spooled segment's flags: ``mask_value`` (0 unscored, else the segment's label) and whether it
+    opens its document."""
+    return (SCORED if mask_value else 0) | (FIRST if first else 0) | (mask_value << LABEL_SHIFT)
+
+
+def mask_value(flags: int) -> int:
+    """The loss mask's value on a spooled segment's tokens."""
+    if not flags & SCORED:
+        return 0
+    return (flags >> LABEL_SHIFT) or 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,7 @@ class Worker:
 
     def filter_chunk(self, chunk: list[Any]) -> list[tuple]:
         """Each document of ``chunk`` through the filters, in order. Per document:
-        (input bytes, kept segments as ((utf-8 bytes, scored), ...) or None, is plain text,
+        (input bytes, kept segments as ((utf-8 bytes, mask value), ...) or None, is plain text,
         trace: one (chars in, chars out, changed, counts, dropped) per filter reached,
         {filter index: signature} of the corpus-level filters reached)."""
         return [self._filter_one(doc) for doc in chunk]
@@ -87,9 +102,9 @@ class Worker:
             text = document_text(doc) if changed else text
             trace.append((n_in, len(text), changed, counts, False))
         if isinstance(doc, Record):
-            segments = tuple((s.text.encode("utf-8"), s.scored) for s in doc.segments)
+            segments = tuple((s.text.encode("utf-8"), s.mask_value) for s in doc.segments)
         else:
-            segments = ((doc.encode("utf-8"), True),)
+            segments = ((doc.encode("utf-8"), 1),)
         return size, segments, isinstance(doc, str), trace, signatures
 
     def tokenize_part(self, task: TokenizeTask) -> dict:
@@ -101,23 +116,26 @@ class Worker:
         dtype = np.dtype(task.dtype)
         eos = tokenizer.eos_id if task.separate_documents else None
         ids, masks, starts = [], [], []
-        n, begin = 0, 0
+        n, begin, last = 0, 0, 1
         for i, (end, flags) in enumerate(spans.tolist()):
             if flags & FIRST:
                 if i and eos is not None:
                     ids.append(np.array([eos], dtype=dtype))
-                    masks.append(np.ones(1, dtype=np.uint8))
+                    masks.append(np.full(1, last, dtype=np.uint8))
                     n += 1
                 starts.append(n)
             piece = np.asarray(tokenizer.encode(text[begin:end].decode("utf-8")), dtype=dtype)
             ids.append(piece)
+            value = mask_value(flags)
             if task.masked:
-                masks.append(np.full(len(piece), flags & SCORED, dtype=np.uint8))
+                masks.append(np.full(len(piece), value, dtype=np.uint8))
+            # The end-of-document token is scored with the document's last segment (1 after an unscored one).
+            last = value or 1
             n += len(piece)
             begin = end
         if len(spans) and eos is not None:
             ids.append(np.array([eos], dtype=dtype))
-            masks.append(np.ones(1, dtype=np.uint8))
+            masks.append(np.full(1, last, dtype=np.uint8))
             n += 1
         arrays = {"bin": np.concatenate(ids) if ids else np.zeros(0, dtype),
                   "docs": np.asarray(starts, dtype=SUFFIXES["docs"])}

@@ -145,7 +145,7 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
         restructure(model, checkpoint[KEY], ckpt_path)
     info = checkpoint.get("lmlab_peft")
     if info is None:
-        model.load_state_dict(state_of(checkpoint))
+        model.load_state_dict(objective_heads_as_built(model, state_of(checkpoint)))
         return step, None
     if "peft" not in variant.plugins:
         raise UserError(f"holds an adapter checkpoint ({info['plugin']}) but its manifest has no [peft] table",
@@ -168,6 +168,17 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
     model.load_state_dict(adapter, strict=False)
     plugin.load_extra_state(info.get("state") or {})
     return step, plugin
+
+
+def objective_heads_as_built(model: torch.nn.Module, state: dict) -> dict:
+    """``state`` for a run loaded with another objective than it trained with (``--set objective.use=...``):
+    heads of the old objective are left out, and those of the new one, which the checkpoint cannot
+    hold, keep the values it built. A checkpoint holding any of the model's heads must hold them all."""
+    own = model.state_dict()
+    state = {k: v for k, v in state.items() if not k.startswith("heads.") or k in own}
+    if not any(k.startswith("heads.") for k in state):
+        state.update({k: v for k, v in own.items() if k.startswith("heads.")})
+    return state
 
 
 def _same_adapter(saved: set[str], expected: set[str], where: str) -> None:

@@ -25,7 +25,7 @@ from lmlab.api import Windows
 from lmlab.api.batch import stream_seed
 
 # Streams of one run's randomness, mixed with the seed: window offsets use default_rng([seed, 0, i]).
-TRAIN_DRAWS, VAL_DRAWS, EPOCH_ORDER, REPLAY_DRAWS = 1, 2, 3, 4
+TRAIN_DRAWS, VAL_DRAWS, EPOCH_ORDER, REPLAY_DRAWS, CURRICULUM_DRAWS = 1, 2, 3, 4, 5
 
 
 def _labels(labels, positions: np.ndarray) -> torch.Tensor | None:
@@ -74,18 +74,37 @@ class RandomWindows(EndlessBatches):
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
                  replica: int = 0, replicas: int = 1, start: int = 0, rich: bool = False, labels=None,
-                 accum: int = 1):
+                 accum: int = 1, curriculum=None, documents: tuple[np.ndarray, np.ndarray] | None = None):
         if len(tokens) <= block_size + 1:
             raise ValueError(f"the training split has {len(tokens)} tokens; block_size {block_size} needs more")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.seed, self.replica, self.replicas, self.start, self.accum = seed, replica, replicas, start, accum
         self.rich, self.labels = rich, labels
         self._offsets = np.arange(block_size + 1)
+        # lmlab.train.curriculum: while it ramps up, windows start inside the easiest documents only
+        # (``documents``: the (starts, ends) its order indexes).
+        self.curriculum, self.documents = curriculum, documents
+
+    def _curriculum_starts(self, step: int, total: int) -> np.ndarray | None:
+        """Window starts uniform over the tokens of the documents available at ``step``; None once all are."""
+        available = self.curriculum.available(step)
+        if available >= len(self.curriculum.order):
+            return None
+        starts, ends = self.documents
+        chosen = self.curriculum.order[:available]
+        sizes = (ends[chosen] - starts[chosen]).astype(np.int64)
+        rng = np.random.default_rng([self.seed, CURRICULUM_DRAWS, step])
+        at = rng.integers(0, int(sizes.sum()), size=total)
+        which = np.searchsorted(np.cumsum(sizes), at, side="right")
+        begin = starts[chosen][which] + (at - (np.cumsum(sizes) - sizes)[which])
+        return np.minimum(begin, len(self.tokens) - self.block_size - 2)
 
     def batch(self, index: int):
         step, first, total = self.slot(index)
-        rng = np.random.default_rng([self.seed, 0, step])
-        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=total)
+        starts = self._curriculum_starts(step, total) if self.curriculum is not None else None
+        if starts is None:
+            rng = np.random.default_rng([self.seed, 0, step])
+            starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=total)
         mine = starts[first:first + self.batch_size]
         positions = mine[:, None] + self._offsets  # (B, T+1)
         tokens = torch.from_numpy(self.tokens[positions].astype(np.int64))
@@ -183,7 +202,7 @@ class RandomDocuments(EndlessBatches):
 
     def __init__(self, tokens, document_starts: np.ndarray, block_size: int, batch_size: int, seed: int,
                  replica: int = 0, replicas: int = 1, start: int = 0, labels=None, pad_id: int = 0,
-                 accum: int = 1):
+                 accum: int = 1, curriculum=None):
         self.tokens = tokens
         self.starts, self.ends = document_spans(tokens, document_starts)
         if len(self.starts) == 0:
@@ -191,6 +210,7 @@ class RandomDocuments(EndlessBatches):
         self.length, self.batch_size, self.seed = block_size + 1, batch_size, seed
         self.replica, self.replicas, self.start, self.accum = replica, replicas, start, accum
         self.labels, self.pad_id = labels, pad_id
+        self.curriculum = curriculum  # lmlab.train.curriculum.Curriculum over these documents, or None
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -203,6 +223,11 @@ class RandomDocuments(EndlessBatches):
     def documents(self, index: int) -> np.ndarray:
         """(B,) indices of this replica's documents in micro-batch ``index``."""
         step, first, total = self.slot(index)
+        if self.curriculum is not None and (available := self.curriculum.available(step)) < len(self.starts):
+            # The step's global batch from the easiest documents, without repeats while there are enough.
+            rng = np.random.default_rng([self.seed, CURRICULUM_DRAWS, step])
+            drawn = rng.choice(available, size=total, replace=total > available)
+            return self.curriculum.order[drawn[first:first + self.batch_size]]
         samples = step * total + first + np.arange(self.batch_size)
         epochs, within = np.divmod(samples, len(self.starts))
         out = np.empty(self.batch_size, dtype=np.int64)

@@ -1,6 +1,7 @@
 """The LightningModule and DataModule around an assembled LanguageModel."""
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -8,7 +9,9 @@ from lmlab.api import IGNORE_INDEX, UserError
 from lmlab.compress.restore import KEY as COMPRESS_KEY
 from lmlab.compress.restore import records_of
 from lmlab.model import compute_loss
-from lmlab.train.batches import FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows
+from lmlab.train import curriculum
+from lmlab.train.batches import (FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows,
+                                 document_spans)
 from lmlab.train.memory import SavedBytes
 from lmlab.train.replay import Replayed
 from lmlab.train.schedule import WarmupDecay
@@ -50,9 +53,16 @@ class LMModule(L.LightningModule):
         # others get the plain (B, T+1) tensors, with nothing added per step.
         self.make_batch = (None if objective is None else
                            objective.make_batch_from if objective.wants_windows() else objective.make_batch)
+        # Only objectives that may report figures (those overriding loss-side methods) are asked after each step.
+        self.objective_reports = objective is not None and hasattr(objective, "take_reports")
         self.optimizer_plugin = optimizer
         self.cfg = train_cfg  # lmlab.config.TrainOptions
         self.hooks = hooks
+        # Objective.report's figures: summed on the device over the logging interval (train) and the
+        # evaluation (val); name → (sum, count).
+        self.train_reports: dict[str, tuple[torch.Tensor, int]] = {}
+        self._val_reports: dict[str, tuple[torch.Tensor, int]] = {}
+        self.val_reports: dict[str, float] = {}
         self.last_loss: torch.Tensor | None = None  # the current step's loss (micro-batch mean), not synced
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
         self._loss_step, self._micro = -1, 0  # the optimizer step last_loss averages over, micro-batches so far
@@ -69,6 +79,20 @@ class LMModule(L.LightningModule):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+    @property
+    def companions(self) -> list:
+        """The frozen models of the objective's other runs (a reference, a reward model, a teacher)."""
+        return self.__dict__.get("_companions", [])
+
+    @companions.setter
+    def companions(self, models: list) -> None:
+        # Kept off the module registry: not trained, not wrapped, not in this run's checkpoints.
+        self.__dict__["_companions"] = list(models)
+
+    def on_fit_start(self) -> None:
+        for model in self.companions:  # to the device the strategy put the trained model on
+            model.to(self.device)
 
     def configure_model(self) -> None:
         # Lightning calls this in every process before the optimizer is built, and again for each
@@ -104,6 +128,8 @@ class LMModule(L.LightningModule):
         else:
             out = compute_loss(self.model, self.objective, batch, forward=self.train_forward,
                                exit_weight=self.exit_weight)
+        if self.objective_reports:
+            add_reports(self.train_reports, self.objective.take_reports())
         if self._peft_loss is not None:
             extra = self._peft_loss(self.model)
             out = out._replace(total=out.total + extra, aux=extra if out.aux is None else out.aux + extra)
@@ -160,6 +186,7 @@ class LMModule(L.LightningModule):
         exits = getattr(self.model, "exit_heads", None)
         self._val_exit_sum = None if exits is None else torch.zeros(len(exits), dtype=torch.float64,
                                                                     device=self.device)
+        self._val_reports = {}
 
     def validation_step(self, windows, batch_idx: int) -> None:
         batch = self.make_batch(windows)
@@ -169,7 +196,9 @@ class LMModule(L.LightningModule):
         else:
             out = compute_loss(self.model, self.objective, batch)
             loss, exits = out.loss, out.exits
-        n = (batch.targets != IGNORE_INDEX).sum()
+        if self.objective_reports:
+            add_reports(self._val_reports, self.objective.take_reports())
+        n = batch.n_scored() if hasattr(batch, "n_scored") else (batch.targets != IGNORE_INDEX).sum()
         self._val_sum += loss.double() * n
         self._val_count += n
         if exits is not None:
@@ -182,6 +211,7 @@ class LMModule(L.LightningModule):
         if self._val_exit_sum is not None:
             exits = self.trainer.strategy.reduce(self._val_exit_sum, reduce_op="sum")
             self.val_exit_losses = (exits / count.clamp(min=1)).tolist()
+        self.val_reports = reduce_reports(self._val_reports, self.trainer.strategy, self.device)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_plugin.build(self.model.param_infos())
@@ -222,6 +252,28 @@ class LMModule(L.LightningModule):
             torch.set_rng_state(checkpoint["lmlab_rng"])
         if self.peft is not None:
             self.peft.restore(checkpoint)
+
+
+def add_reports(into: dict, reports: dict) -> None:
+    """Add one loss call's Objective.report figures (name → (sum, count)) to a running total."""
+    for name, (total, count) in reports.items():
+        before = into.get(name)
+        into[name] = (total, count) if before is None else (before[0] + total, before[1] + count)
+
+
+def reduce_reports(reports: dict, strategy, device) -> dict[str, float]:
+    """The mean of each reported figure over every process (names in sorted order: the same collectives
+    in every process); emptied."""
+    means = {}
+    for name in sorted(reports):
+        total, count = reports[name]
+        pair = torch.stack([torch.as_tensor(total, dtype=torch.float64, device=device),
+                            torch.as_tensor(float(count), dtype=torch.float64, device=device)])
+        if strategy is not None and getattr(strategy, "world_size", 1) > 1:
+            pair = strategy.reduce(pair, reduce_op="sum")
+        means[name] = (pair[0] / pair[1].clamp(min=1)).item()
+    reports.clear()
+    return means
 
 
 def train_exit_heads_only(model, peft=None) -> None:
@@ -270,7 +322,8 @@ class TokenDataModule(L.LightningDataModule):
     """
 
     def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
-                 seed: int, grad_accum: int, objective=None, replay=None, replay_fraction: float = 0.0):
+                 seed: int, grad_accum: int, objective=None, replay=None, replay_fraction: float = 0.0,
+                 data_options=None):
         super().__init__()
         self.replay, self.replay_fraction = replay, replay_fraction  # lmlab.train.replay
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
@@ -289,6 +342,13 @@ class TokenDataModule(L.LightningDataModule):
             check_windows_fit(tokens, block_size)
         self.labels = {split: objective.token_labels(tokens.split(split)) if self.rich else None
                        for split in ("train", "val")}
+        self.curriculum, self.train_documents = None, None
+        if getattr(data_options, "curriculum", "none") != "none":
+            document_starts = tokens.document_starts("train")
+            starts, ends = document_spans(tokens.train, document_starts)
+            keep = np.diff(np.append(np.asarray(document_starts, dtype=np.int64), len(tokens.train))) > 0
+            self.curriculum = curriculum.build(data_options, tokens, objective, starts, ends, keep)
+            self.train_documents = (starts, ends)
 
     def train_dataloader(self) -> DataLoader:
         # Called after a checkpoint is restored, so global_step already says where to continue.
@@ -300,10 +360,12 @@ class TokenDataModule(L.LightningDataModule):
                     "accum": self.grad_accum}
         if self.sampling == "documents":
             windows = RandomDocuments(self.tokens.train, self.tokens.document_starts("train"), self.block_size,
-                                      self.batch_size, self.seed, labels=self.labels["train"], **replicas)
+                                      self.batch_size, self.seed, labels=self.labels["train"],
+                                      curriculum=self.curriculum, **replicas)
         else:
             windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
-                                    rich=self.rich, labels=self.labels["train"], **replicas)
+                                    rich=self.rich, labels=self.labels["train"], curriculum=self.curriculum,
+                                    documents=self.train_documents, **replicas)
         if self.replay is not None:
             windows = Replayed(windows, self.replay, self.replay_fraction, self.block_size, self.batch_size,
                                self.seed, **replicas)

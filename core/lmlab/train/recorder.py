@@ -143,6 +143,12 @@ class RunRecorder(L.Callback):
             # every rank reaches this line at the same step, so the collective cannot deadlock.
             loss = trainer.strategy.reduce(loss, reduce_op="mean")
         self.train_loss = loss.item()  # the one host sync per log interval
+        reports = {}
+        if pl_module.train_reports:  # Objective.report's figures over the interval, every process together
+            from lmlab.train.module import reduce_reports
+
+            reports = {f"train_{k}": v for k, v in reduce_reports(pl_module.train_reports, trainer.strategy,
+                                                                  loss.device).items()}
         skipped = self.control is not None and self.control.last_skipped == step
         if not math.isfinite(self.train_loss) and self.cfg.precision != "16-mixed" and not skipped:
             # Under 16-mixed an overflowing step is skipped by the loss scaler and training goes on.
@@ -155,7 +161,7 @@ class RunRecorder(L.Callback):
                 record["skipped"] = True
             if pl_module.last_aux is not None:
                 record["aux_loss"] = pl_module.last_aux.item()
-            self._emit({**record, **extra})
+            self._emit({**record, **reports, **extra})
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         # Lightning calls this before it tears the process group down, which can wait for the late
@@ -168,7 +174,8 @@ class RunRecorder(L.Callback):
             return
         step, val_loss = trainer.global_step, pl_module.val_loss
         self._batch_end = self._step_end = time.perf_counter()  # the evaluation is no step's time
-        metrics = {"step": step, "val_loss": val_loss}
+        metrics = {"step": step, "val_loss": val_loss,
+                   **{f"val_{k}": v for k, v in getattr(pl_module, "val_reports", {}).items()}}
         self.hooks.call("lmlab_validation_end", step=step, metrics=dict(metrics))
         if trainer.is_global_zero:
             self._emit(metrics)
@@ -179,11 +186,12 @@ class RunRecorder(L.Callback):
             self.best_val_loss = val_loss
             self._save(trainer, "best.ckpt")
 
-    def final_validation(self, trainer, val_loss: float) -> None:
+    def final_validation(self, trainer, val_loss: float, reports: dict | None = None) -> None:
         """The closing evaluation over the whole validation split goes into metrics.jsonl as well,
         marked ``final``, so the file alone holds every number ``summary.json`` reports from it."""
         if trainer.is_global_zero and self.metrics is not None:
-            self.metrics.write({"step": trainer.global_step, "val_loss": val_loss, "final": True})
+            self.metrics.write({"step": trainer.global_step, "val_loss": val_loss,
+                                **{f"val_{k}": v for k, v in (reports or {}).items()}, "final": True})
 
     def save_last(self, trainer) -> None:
         if not _finite_weights(trainer.lightning_module.model):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from lmlab import checkpoint, checks, pretrained, provenance, signals
+from lmlab import checkpoint, checks, objective_runs, pretrained, provenance, signals
 from lmlab.assemble import assemble
 from lmlab.api import RunInfo
 from lmlab.api.monitor import RunFailed
@@ -133,8 +133,13 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
         hooks.register(plugin)
     hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
     model.set_checkpointing(cfg.checkpointing)
+    # Other runs the objective works with (a frozen reference, a reward model, a teacher), loaded once.
+    companions = objective_runs.prepare(variant, plugins["objective"], tokens.tokenizer, plugins.get("decoding"))
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
+    if getattr(plugins["objective"], "needs_runs", ()):
+        resolved["objective"] = {**variant.manifest["objective"],
+                                 **objective_runs.resolved(variant, plugins["objective"])}
     resume_step = checkpoint.step_of(ckpt_path) if ckpt_path else None
     used = provenance.plugins(variant)
     environment = provenance.environment()
@@ -144,9 +149,11 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     datamodule = TokenDataModule(tokens, shape.block_size, cfg.batch_size, cfg.eval_batch_size, cfg.eval_steps,
                                  variant.seed, cfg.grad_accum, objective=plugins["objective"],
                                  replay=replay_corpus(variant, plugins["objective"]),
-                                 replay_fraction=getattr(variant.options("data"), "replay", 0.0) or 0.0)
+                                 replay_fraction=getattr(variant.options("data"), "replay", 0.0) or 0.0,
+                                 data_options=variant.options("data"))
     module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg.compile,
                       parallel=plugins["parallel"], peft=peft, control=control, lr_factor=variant.lr_factor)
+    module.companions = companions
     control.module = module
     recorder = RunRecorder(run_dir, cfg, cfg.batch_size * cfg.grad_accum * shape.block_size,
                            None, hooks, resume_step=resume_step, control=control)
@@ -188,7 +195,7 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
         datamodule.full_validation = True
         trainer.limit_val_batches = 1.0
         trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)
-        recorder.final_validation(trainer, module.val_loss)
+        recorder.final_validation(trainer, module.val_loss, module.val_reports)
         summary = _completed(trainer, module, recorder, compiled=cfg.compile)
         # Sharded or split by the parallel plugin: give the main process a plain copy (the closing
         # sample runs there alone, and a sharded forward would wait for the others forever; the
@@ -286,6 +293,8 @@ def _completed(trainer, module, recorder, compiled: bool) -> dict:
         "state_mb": state_bytes(module.model, trainer.optimizers) / 2**20,
         "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizers),
     }
+    # Objective.report's figures of the closing evaluation (a reward model's val_accuracy, DPO's margins).
+    summary.update({f"val_{name}": value for name, value in module.val_reports.items()})
     if module.val_exit_losses is not None:  # model.exit_layers: each exit head's loss on the same split
         layers = module.model.exit_layers
         summary["val_exit_losses"] = {str(i): loss for i, loss in zip(layers, module.val_exit_losses)}

@@ -1,0 +1,166 @@
+"""Curriculum learning (``[data] curriculum``): the easiest documents first, on a schedule, for a seed."""
+
+import math
+import textwrap
+
+import numpy as np
+import pytest
+
+from lmlab.train.batches import RandomDocuments, RandomWindows, document_spans
+from lmlab.train.curriculum import Curriculum, lengths, rarity
+from support import refused, run_cli
+
+
+def corpus(n_docs: int = 40, seed: int = 0):
+    """Documents of lengths 3..(n_docs + 2) in a shuffled order: (tokens, document starts)."""
+    sizes = np.random.default_rng(seed).permutation(np.arange(3, n_docs + 3))
+    tokens = np.concatenate([np.full(size, i % 7 + 1, dtype=np.uint16) for i, size in enumerate(sizes)])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return tokens, starts
+
+
+def by_length(tokens, starts, start=0.25, steps=8, pacing="linear") -> Curriculum:
+    s, e = document_spans(tokens, starts)
+    return Curriculum(np.argsort(lengths(s, e), kind="stable"), start, steps, pacing)
+
+
+def test_competence_follows_the_linear_and_root_schedules():
+    linear = Curriculum(np.arange(100), 0.2, 10, "linear")
+    root = Curriculum(np.arange(100), 0.2, 10, "root")
+    for step in range(12):
+        t = min(step / 10, 1.0)
+        assert linear.competence(step) == pytest.approx(min(1.0, 0.2 + 0.8 * t))
+        assert root.competence(step) == pytest.approx(min(1.0, math.sqrt(t * (1 - 0.04) + 0.04)))
+        assert linear.available(step) == min(100, math.ceil(linear.competence(step) * 100))
+    assert root.available(0) == 20 and root.available(10) == 100
+
+
+def test_documents_come_from_the_easiest_share_at_every_step_and_all_of_them_after():
+    tokens, starts = corpus()
+    plan = by_length(tokens, starts)
+    s, e = document_spans(tokens, starts)
+    rank = np.empty(len(s), dtype=np.int64)
+    rank[plan.order] = np.arange(len(s))
+    batches = RandomDocuments(tokens, starts, block_size=64, batch_size=6, seed=3, curriculum=plan)
+    for step in range(plan.steps):
+        docs = batches.documents(step)
+        assert (rank[docs] < plan.available(step)).all(), step
+        assert len(set(docs.tolist())) == len(docs)  # no repeats while the available share holds enough
+    # At step 0: the ten shortest documents (a quarter of 40), whose lengths are 3..12.
+    first = np.concatenate([batches.documents(0) for _ in range(1)])
+    assert (e[first] - s[first] <= 12).all()
+    # From the last step of the ramp on, every document once per epoch, as without a curriculum.
+    later = np.concatenate([batches.documents(i) for i in range(plan.steps, plan.steps + 40)])
+    plain = RandomDocuments(tokens, starts, block_size=64, batch_size=6, seed=3)
+    assert np.array_equal(later, np.concatenate([plain.documents(i) for i in range(plan.steps, plan.steps + 40)]))
+
+
+def test_the_order_is_a_function_of_the_seed_and_step_and_resumes_exactly():
+    tokens, starts = corpus()
+    plan = by_length(tokens, starts)
+
+    def drawn(seed, start=0):
+        batches = RandomDocuments(tokens, starts, 64, 6, seed, start=start, curriculum=plan)
+        return [batches.documents(i) for i in range(start, plan.steps + 2)]
+
+    assert all(np.array_equal(a, b) for a, b in zip(drawn(1), drawn(1)))
+    assert not all(np.array_equal(a, b) for a, b in zip(drawn(1), drawn(2)))
+    assert all(np.array_equal(a, b) for a, b in zip(drawn(1)[3:], drawn(1, start=3)))
+
+
+def test_replicas_and_accumulation_take_their_rows_of_the_single_device_batch():
+    tokens, starts = corpus()
+    plan = by_length(tokens, starts)
+    whole = RandomDocuments(tokens, starts, 64, 8, seed=5, curriculum=plan)
+    for step in range(plan.steps):
+        parts = []
+        for micro in range(2):
+            for replica in range(2):
+                part = RandomDocuments(tokens, starts, 64, 2, seed=5, replica=replica, replicas=2, accum=2,
+                                       curriculum=plan)
+                parts.append(part.documents(step * 2 + micro))
+        assert np.array_equal(np.concatenate(parts), whole.documents(step))
+
+
+def test_windows_start_inside_the_available_documents():
+    tokens, starts = corpus()
+    plan = by_length(tokens, starts, start=0.1, steps=4)
+    s, e = document_spans(tokens, starts)
+    batches = RandomWindows(tokens, block_size=4, batch_size=64, seed=0, curriculum=plan, documents=(s, e))
+    for step in range(plan.steps):
+        allowed = plan.order[:plan.available(step)]
+        begin = batches._curriculum_starts(step, 64)
+        doc = np.searchsorted(s, begin, side="right") - 1
+        assert np.isin(doc, allowed).all(), step
+        # and the batch is made of the windows at those starts
+        rows = batches.batch(step).numpy()
+        assert np.array_equal(rows, tokens[begin[:, None] + np.arange(5)].astype(np.int64))
+
+
+def test_rarity_is_the_mean_surprise_of_a_documents_tokens():
+    tokens = np.array([1, 1, 2, 3, 1, 1, 1, 2], dtype=np.uint16)
+    s, e = np.array([0, 2, 4]), np.array([2, 4, 8])
+    p = {1: 5 / 8, 2: 2 / 8, 3: 1 / 8}
+    expected = [np.mean([-math.log(p[t]) for t in tokens[a:b]]) for a, b in zip(s, e)]
+    assert rarity(tokens, s, e) == pytest.approx(expected)
+
+
+def _manifest(tmp_path, data: str, extra: str = "") -> str:
+    text = textwrap.dedent(f"""\
+        name = "curriculum"
+        {data}
+        [tokenizer]
+        use = "char"
+        [model]
+        n_layers = 1
+        n_heads = 2
+        d_model = 16
+        block_size = 16
+        [train]
+        max_steps = 4
+        batch_size = 4
+        eval_every = 4
+        eval_steps = 1
+        sample_tokens = 0
+        [tracker]
+        use = "none"
+        {extra}
+        """)
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_curriculum_start_outside_its_range_is_refused(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n" * 200)
+    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\ncurriculum = "length"\n'
+                                   "curriculum_start = 0.0")
+    refused(run_cli("check", manifest), "data.curriculum_start")
+
+
+def test_a_score_the_objective_does_not_give_is_refused_at_check(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n" * 200)
+    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\ncurriculum = "objective"')
+    refused(run_cli("check", manifest), "data.curriculum")
+
+
+def test_a_curriculum_over_one_document_is_refused(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n" * 200)
+    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\ncurriculum = "length"')
+    refused(run_cli("run", manifest, "--out", str(tmp_path / "runs")), "data.curriculum")
+
+
+def test_a_run_with_a_curriculum_trains(tmp_path):
+    import json
+
+    lines = tmp_path / "docs.jsonl"
+    lines.write_text("".join(json.dumps({"text": "ab " * (i % 17 + 2)}) + "\n" for i in range(200)))
+    manifest = _manifest(tmp_path, f'[data]\nuse = "jsonl"\npath = "{lines}"\ncurriculum = "rarity"\n'
+                                   "curriculum_steps = 3")
+    result = run_cli("run", manifest, "--out", str(tmp_path / "runs"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4
