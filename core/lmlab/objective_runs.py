@@ -65,7 +65,14 @@ def read_runs(variant, objective, tokenizer=None, models: bool = False) -> dict[
             built = assemble(theirs, run_dir=path, model=models)
         except UserError as exc:
             raise UserError(f"the run in {path} cannot be loaded: {exc.message}", key=key) from None
-        if tokenizer is not None and (why := tokenizer_mismatch(tokenizer, built.tokenizer)):
+        why = None
+        if tokenizer is not None:
+            why = tokenizer_mismatch(tokenizer, built.tokenizer)
+        elif (ours := variant.manifest.get("tokenizer")) != (theirs_table := theirs.manifest.get("tokenizer")):
+            # Not fitted yet (this run learns its vocabulary from the data): other settings are enough to
+            # refuse; the same settings are compared id by id when the run starts.
+            why = f"tokenizer {_table(theirs_table)} vs this run's {_table(ours)}"
+        if why:
             raise UserError(f"the run in {path} has a different tokenizer from this run's ({why}); its "
                             "probabilities would be about other tokens: use a run trained with the same tokenizer",
                             key=key)
@@ -99,5 +106,12 @@ def prepare(variant, objective, tokenizer, decoder) -> list:
 
     runs = read_runs(variant, objective, tokenizer, models=True) if getattr(objective, "needs_runs", ()) else {}
     generate = partial(generate_ids, decoder, eos_id=tokenizer.eos_id)
-    objective.prepare(ObjectiveContext(runs=runs, tokenizer=tokenizer, generate=generate, init=init_run(variant)))
+    objective.prepare(ObjectiveContext(runs=runs, tokenizer=tokenizer, generate=generate, decoder=decoder,
+                                       init=init_run(variant)))
     return [run.model for run in runs.values()]
+
+
+def _table(table) -> str:
+    table = dict(table or {})
+    use = table.pop("use", "?")
+    return f"{use!r}" + (f" with {table}" if table else "")

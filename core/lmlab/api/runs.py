@@ -62,6 +62,9 @@ class ObjectiveContext:
     receives it) or a run's. The model is put in eval mode for the call and back after it, and
     nothing is recorded for autograd: score the tokens with a forward pass of your own. Draws
     randomness from ``generator`` (a ``torch.Generator`` on the model's device), else the global one."""
+    decoder: Any = None
+    """The run's ``[decoding]`` plugin, as configured, which ``generate`` uses (its options say, e.g.,
+    the sampling temperature the rollouts' probabilities are taken at)."""
     init: Path | None = None
     """The ``[init]`` run folder the trained model started from (None without one, or for Hugging
     Face weights): the default of a reference-run option."""

@@ -136,7 +136,8 @@ def _run_here(todo: list, say, checked: dict) -> list:
         if s["status"] != "completed":
             failed.append(item)
             continue
-        print(f"[{variant.name}] val_loss {s['val_loss']:.4f} (ppl {s['val_ppl']:.2f}) | "
+        ppl = f" (ppl {s['val_ppl']:.2f})" if s.get("val_ppl") is not None else ""
+        print(f"[{variant.name}] val_loss {s['val_loss']:.4f}{ppl} | "
               f"{s['tokens_per_s'] or 0:,.0f} tokens/s | {s['wall_s']:.0f}s | {s['params']:,} params", flush=True)
         _closing_sample(variant, result)
     return failed

@@ -284,7 +284,10 @@ def _completed(trainer, module, recorder, compiled: bool) -> dict:
         raise Diverged(f"the validation loss is {module.val_loss} after {trainer.global_step} steps: training "
                        "diverged (lower optimizer.lr, or set train.grad_clip)")
     summary = {
-        "status": "completed", "val_loss": module.val_loss, "val_ppl": math.exp(min(module.val_loss, 50.0)),
+        "status": "completed", "val_loss": module.val_loss,
+        # A perplexity only where the loss is a cross-entropy: not for an objective that runs the model
+        # itself (a reward model's pairwise loss, PPO's negative reward).
+        "val_ppl": None if module.objective.runs_model() else math.exp(min(module.val_loss, 50.0)),
         "best_val_loss": min(recorder.best_val_loss, module.val_loss), "train_loss": recorder.train_loss,
         "tokens_per_s": recorder.median_tokens_per_s(), "steps": trainer.global_step,
         "world_size": trainer.world_size, "processes": recorder.processes,
