@@ -2,9 +2,14 @@
 plugins broken in one specific way each fail, with a message naming the check that saw it. (The
 first-party decoders and objectives are checked in their own distributions' tests.)"""
 
+import contextlib
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lmlab.api import IGNORE_INDEX, Batch, Decoder, Field, Objective, Options, Stepper, UserError
 from lmlab.testing import ConformanceError
@@ -292,3 +297,158 @@ def test_an_objective_whose_loss_is_not_the_cross_entropy_says_so():
     with pytest.raises(ConformanceError, match="^ascending: loss: raising the logits of the scored targets by 5 moved "
                                                "the loss from .* not lower"):
         check_objective(ascending, cross_entropy=False)
+
+
+# -- objectives that run the model (API 1.10) -------------------------------------------------------
+
+class ValueHead(nn.Linear):
+    """d_model → 1, initialised from torch's (seeded) global generator."""
+
+    def __init__(self, d_model):
+        super().__init__(d_model, 1)
+
+
+class AnchoredOptions(Options):
+    reference: Path | None = Field(None, help="the frozen reference run folder")
+
+
+class Anchored(Objective):
+    """Runs the model itself: the responses' cross-entropy through the model's head, a squared pull of
+    each token's loss towards a frozen reference's, and a value head regressing the loss: correct."""
+
+    name = "anchored"
+    api = ">=1.10,<2"  # forward_loss, heads, needs_runs, prepare, report
+    Options = AnchoredOptions
+    sampling = "documents"
+    needs_runs = ("reference",)
+    head = ValueHead
+    figure = "gap"
+    pull = 0.1
+    frozen = staticmethod(torch.no_grad)  # how the reference is run
+
+    token_labels, make_batch_from, scored = Responses.token_labels, Responses.make_batch_from, Responses.scored
+
+    def heads(self, shape):
+        return {"value": self.head(shape.d_model)}
+
+    def prepare(self, context):
+        self.reference = context.runs["reference"].model
+
+    def token_losses(self, logits, batch):
+        return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(batch.targets.shape)
+
+    def forward_loss(self, model, batch):
+        hidden = model(batch.input_ids, hidden=True)
+        nll = self.token_losses(model.head(hidden), batch)
+        with self.frozen():
+            reference = self.token_losses(self.reference(batch.input_ids), batch)
+        scored = (batch.targets != IGNORE_INDEX).float()
+        n = scored.sum().clamp(min=1)
+        value = model.heads["value"](hidden).squeeze(-1).float()
+        value_loss = ((value - nll.detach()).square() * scored).sum() / n
+        self.report(self.figure, (nll - reference).detach()[scored.bool()])
+        return (nll * scored).sum() / n + self.pull * ((nll - reference).square() * scored).sum() / n \
+            + 0.1 * value_loss
+
+
+class UnseededHead(ValueHead):
+    def reset_parameters(self):
+        generator = torch.Generator()
+        generator.seed()  # a fresh seed from the OS: not torch's seeded global generator
+        with torch.no_grad():
+            self.weight.normal_(0.0, 0.02, generator=generator)
+            self.bias.zero_()
+
+
+def thaw(self, context):
+    self.reference = context.runs["reference"].model.requires_grad_(True)
+
+
+class Counting(Anchored):
+    def forward_loss(self, model, batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        return Anchored.forward_loss(self, model, batch) + 1e-2 * self.calls
+
+
+def drifting(self, model, batch):
+    with torch.no_grad():
+        for p in self.reference.parameters():
+            p.mul_(0.99)
+    return Anchored.forward_loss(self, model, batch)
+
+
+def nan_figure(self, model, batch):
+    self.report("gap", torch.full((3,), float("nan")))
+    return Anchored.forward_loss(self, model, batch)
+
+
+BROKEN_MODEL_RUNNERS = [
+    (broken_objective(Anchored, "detached", forward_loss=lambda self, model, batch: Anchored.forward_loss(
+        self, model, batch).detach()), "loss", "has no gradient"),
+    (broken_objective(Anchored, "sleepy", forward_loss=lambda self, model, batch: Anchored.forward_loss(
+        self, model.eval(), batch)), "loss", "left the model in eval mode"),
+    (broken_objective(Counting, "counting"), "loss", "in eval mode the same batch gave the loss"),
+    (broken_objective(Anchored, "thawing", prepare=thaw, frozen=staticmethod(contextlib.nullcontext)), "runs",
+     "parameters of the frozen run 'reference' require or received a gradient"),
+    (broken_objective(Anchored, "training", prepare=lambda self, context: setattr(
+        self, "reference", context.runs["reference"].model.train())), "runs", "was put in training mode"),
+    (broken_objective(Anchored, "drifting", forward_loss=drifting), "runs",
+     "the weights of the frozen run 'reference' changed"),
+    (broken_objective(Anchored, "unanchored", pull=0.0), "runs", "does not use the run it asks for"),
+    (broken_objective(Anchored, "undeclared", needs_runs=("teacher",)), "declarations",
+     "needs_runs must be a tuple of names of the objective's options"),
+    (broken_objective(Anchored, "shouty", figure="Gap"), "reports", "reports 'Gap'"),
+    (broken_objective(Anchored, "nan", forward_loss=nan_figure), "reports", "figure 'gap' sums to nan"),
+    (broken_objective(Anchored, "unseeded", head=UnseededHead), "heads",
+     "reset_parameters under the same seed gave weight other values"),
+    (broken_objective(Anchored, "padded-anchor", scored=lambda self, w: torch.ones_like(w.padding[:, 1:])),
+     "padding", "changed the targets: padding is scored"),
+]
+
+
+@pytest.mark.parametrize("corpus", ["segments", "preferences"])
+def test_a_correct_objective_that_runs_the_model_passes_and_leaves_the_callers_random_state_alone(corpus):
+    rng = torch.get_rng_state()
+    check_objective(Anchored, corpus=corpus)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("plugin, check, observed", BROKEN_MODEL_RUNNERS,
+                         ids=[f"{p.name}-{c}" for p, c, _ in BROKEN_MODEL_RUNNERS])
+def test_a_broken_objective_that_runs_the_model_fails_the_check_that_observes_its_bug(plugin, check, observed):
+    found = failures(OBJECTIVE_CHECKS, ObjectiveSubject(plugin))
+    assert check in found, found
+    assert found[check].startswith(f"{plugin.name}: {check}: ") and observed in found[check], found[check]
+    with pytest.raises(ConformanceError, match=f"(?m)^{plugin.name}: {check}: "):
+        check_objective(plugin)
+
+
+def test_runs_are_given_the_heads_and_name_of_the_objective_that_trained_them():
+    class Picky(Anchored):
+        name = "picky"
+
+        def check_runs(self, runs):
+            if runs["reference"].objective != "anchored":
+                raise UserError("the reference must be an anchored run", key="objective.reference")
+
+    with pytest.raises(ConformanceError, match="^picky: runs: check_runs refused the kit's runs, trained .* with "
+                                               r"\{'reference': 'picky'\}: objective.reference: .*\Z"):
+        check_objective(Picky)
+    check_objective(Picky, runs={"reference": Anchored})
+    with pytest.raises(ValueError, match="runs names \\['teacher'\\], not in Picky.needs_runs"):
+        check_objective(Picky, runs={"teacher": Anchored})
+    with pytest.raises(ValueError, match="corpus must be"):
+        check_objective(Picky, corpus="pairs")
+
+
+def test_the_preference_corpus_has_whole_records_and_a_cut_one_in_the_first_batch():
+    for seed in range(5):
+        subject = ObjectiveSubject(Anchored, corpus="preferences", seed=seed)
+        split = subject.split(subject.vocabulary())
+        ends = np.append(split.document_starts[1:], len(split.tokens))
+        for start, end in zip(split.document_starts, ends):
+            assert set(split.loss_mask[start:end].tolist()) == {0, 1, 2}
+            assert split.loss_mask[start:end].tolist() == sorted(split.loss_mask[start:end].tolist())
+        windows = subject.draw(subject.objective(subject.vocabulary()), split)
+        assert windows.padding[:, -1].tolist() == [True, True, False, True]

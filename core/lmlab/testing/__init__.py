@@ -100,10 +100,16 @@ objective             on the core's samplers over a corpus whose targets identif
   ignore_index        zero gradient exactly where the target is -100
   determinism         same windows → same batch under other global seeds; global RNG untouched
   replica_slices      rows given as their own Windows (``first_row``) = those rows of the full batch
+  heads               (API 1.10) ``heads`` are modules saved under ``heads.<name>.``, reset reproducibly
+  runs                (API 1.10) the runs of ``needs_runs`` stay frozen, in eval mode, unchanged, and matter
+  reports             (API 1.10) reported figures: lowercase names, finite detached sums, counts ≥ 1
 ====================  ==============================================================================
 
 Each of these slots also runs ``plugin_class`` first. Settings they accept besides ``seed`` and
-``skip``: ``corpus`` (tokenizer: documents to fit on), ``documents`` (filter: str or Record), ``env``
+``skip``: ``corpus`` (tokenizer: documents to fit on; objective: ``"segments"``, prompt then response,
+or ``"preferences"``, prompt, chosen and rejected answers), ``runs`` (objective: option of
+``needs_runs`` → the objective the kit's frozen run of it was trained with, e.g.
+``{"reward_run": "reward-model"}``), ``documents`` (filter: str or Record), ``env``
 (tracker: environment variables for the tracked run); a data source takes its options::
 
     def test_my_source_conforms(tmp_path):

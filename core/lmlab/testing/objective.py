@@ -4,11 +4,14 @@ An objective is checked as a run uses it: set up with a :class:`~lmlab.api.Vocab
 ``token_labels`` given a corpus split, fed what the core's samplers (``lmlab.train.batches``) draw
 (plain windows, or :class:`~lmlab.api.Windows` of windows or padded documents), scored by the core's
 ``compute_loss`` with the kit's reference model (bidirectional when the objective is not causal).
-The corpus never repeats a token within a row, so a target's value says which token it is; its
-documents of 6 to 24 tokens are each a prompt (loss_mask 0) then a response (loss_mask 1).
+The corpus never repeats a token within a row, so a target's value says which token it is. Setting
+``corpus``: ``"segments"`` (the default), documents of 6 to 24 tokens, each a prompt (loss_mask 0) then
+a response (1); ``"preferences"``, each a prompt (0), a chosen answer (1) and a rejected one (2).
 
 The loss must be the mean cross-entropy of the scored targets (the core reports ``exp(val_loss)`` as
 perplexity); one that adds to it (a z-loss) passes ``cross_entropy=False`` and is held to the rest.
+One that runs the model itself (``forward_loss``) is held to :mod:`lmlab.testing.objective_runs`'
+checks of its loss, heads and runs instead of those that need its logits.
 """
 
 import dataclasses
@@ -18,7 +21,9 @@ import torch
 
 from lmlab.api import IGNORE_INDEX, Batch, Objective, Options, TokenSplit, UserError, Vocabulary, Windows
 from lmlab.testing import generic
-from lmlab.testing.common import SAME, Subject, fail, run_checks, select_checks
+from lmlab.testing.common import Subject, fail, run_checks, select_checks
+from lmlab.testing.objective_runs import (hand_over, heads, ignore_index, loss, model_padding, preference_documents,
+                                          reports, resolve_runs, runs)
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition
 
 ROWS = 4
@@ -45,9 +50,13 @@ class KitTokenizer:
 class ObjectiveSubject(Subject):
     slot = "objective"
 
-    def __init__(self, plugin, options: dict | Options | None = None, *, cross_entropy: bool = True, **settings):
+    def __init__(self, plugin, options: dict | Options | None = None, *, cross_entropy: bool = True,
+                 corpus: str = "segments", runs: dict | None = None, **settings):
         super().__init__(plugin, options, **settings)
-        self.cross_entropy = cross_entropy
+        if corpus not in ("segments", "preferences"):
+            raise ValueError(f"corpus must be 'segments' or 'preferences', got {corpus!r}")
+        self.cross_entropy, self.corpus, self.runs = cross_entropy, corpus, resolve_runs(self.cls, runs)
+        self.name = getattr(self.cls, "name", "") or self.cls.__name__
 
     # -- what a run gives the objective -------------------------------------------------------------
     def vocabulary(self, own_ids: bool = False) -> Vocabulary:
@@ -61,27 +70,40 @@ class ObjectiveSubject(Subject):
             return Vocabulary(size=V, tokenizer_size=size, special=special, eos_id=0)
         return Vocabulary(size=V, tokenizer_size=size, special={n: size + i for i, n in enumerate(names)})
 
-    def objective(self, vocab: Vocabulary) -> Objective:
+    def tokenizer(self, vocab: Vocabulary) -> KitTokenizer:
+        return KitTokenizer(vocab)
+
+    def objective(self, vocab: Vocabulary, runs=None) -> Objective:
+        return self.prepared(vocab, runs)[0]
+
+    def prepared(self, vocab: Vocabulary, runs=None, strict: bool = False) -> tuple[Objective, dict]:
+        """(the objective set up and prepared with ``runs``, else the kit's runs, as by the core; its runs)."""
         objective = self.plugin()
         objective.setup(vocab)
-        return objective
+        return objective, hand_over(self, objective, vocab, runs, strict)
 
-    def split(self, vocab: Vocabulary, loss_mask: str | None = "segments") -> TokenSplit:
-        """The kit's corpus for ``vocab``; ``loss_mask`` "segments" (prompts 0, responses 1), "ones" or None."""
+    def split(self, vocab: Vocabulary, loss_mask: str | None = "corpus") -> TokenSplit:
+        """The kit's corpus for ``vocab``; ``loss_mask`` "corpus" (the ``corpus`` setting's), "segments"
+        (prompts 0, responses 1), "preferences" (prompt 0, chosen 1, rejected 2), "ones" or None."""
+        loss_mask = self.corpus if loss_mask == "corpus" else loss_mask
         rng = np.random.default_rng(self.seed)
         ids = np.setdiff1d(np.arange(vocab.tokenizer_size), list(vocab.special.values()))
         if len(ids) <= self.shape.block_size:
             fail(f"the kit's corpus needs {self.shape.block_size + 1} ordinary token ids to fill a row without "
                  f"repeating one; shape.vocab_size {self.shape.vocab_size} leaves {len(ids)}")
-        tokens = np.tile(rng.permutation(ids), 40 * self.shape.block_size // len(ids) + 2)
-        starts = np.cumsum(np.concatenate([[0], rng.integers(6, 25, size=len(tokens) // 6)]))
-        starts = starts[starts < len(tokens)].astype(np.int64)
-        mask = np.ones(len(tokens), dtype=np.uint8)
+        if loss_mask == "preferences":
+            tokens, starts, mask = preference_documents(rng, rng.permutation(ids), self.shape.block_size, ROWS,
+                                                        self.seed)
+        else:
+            tokens = np.tile(rng.permutation(ids), 40 * self.shape.block_size // len(ids) + 2)
+            starts = np.cumsum(np.concatenate([[0], rng.integers(6, 25, size=len(tokens) // 6)]))
+            starts = starts[starts < len(tokens)].astype(np.int64)
+            mask = np.ones(len(tokens), dtype=np.uint8)
         if loss_mask == "segments":
             for start, end in zip(starts, np.append(starts[1:], len(tokens))):
                 mask[start:start + max(1, (end - start) * 2 // 5)] = 0
         return TokenSplit(name="train", tokens=tokens, loss_mask=None if loss_mask is None else mask,
-                          document_starts=starts, tokenizer=KitTokenizer(vocab))
+                          document_starts=starts, tokenizer=self.tokenizer(vocab))
 
     def draw(self, objective: Objective, split: TokenSplit) -> Windows:
         """What the core's sampler hands ``objective`` for its first training batch (plain windows as Windows)."""
@@ -110,18 +132,20 @@ class ObjectiveSubject(Subject):
         windows = self.draw(objective, self.split(vocab))
         return objective, windows, self.batch(objective, windows)
 
-    def model(self, causal: bool):
+    def model(self, objective: Objective, seed: int | None = None):
+        """The reference model the core would build for ``objective`` (with its heads), in eval mode."""
         from lmlab.model import LanguageModel
 
-        with self.seeded(self.seed):
+        with self.seeded(self.seed if seed is None else seed):
             model = LanguageModel(self.shape, position=ReferencePosition(), attention=ReferenceAttention(),
-                                  ffn=ReferenceFFN(), causal=causal)
+                                  ffn=ReferenceFFN(), causal=objective.causal, heads=objective.heads(self.shape))
         return model.to(self.device).eval()
 
 
 def declarations(subject: ObjectiveSubject) -> None:
     """``causal`` is a bool, ``special_tokens`` a tuple of names, ``sampling`` "windows" or "documents",
-    and an objective sampling documents overrides ``make_batch_from`` (only Windows say where padding is)."""
+    an objective sampling documents overrides ``make_batch_from`` (only Windows say where padding is),
+    and ``needs_runs`` is a tuple of names of its options (the core reads each run folder from one)."""
     objective = subject.plugin()
     if not isinstance(objective.causal, bool):
         fail(f"causal must be a bool, got {objective.causal!r}")
@@ -133,22 +157,30 @@ def declarations(subject: ObjectiveSubject) -> None:
     if objective.sampling == "documents" and not objective.wants_windows():
         fail("sampling is 'documents' but make_batch_from is not overridden: make_batch would get padded rows "
              "without knowing where the padding is")
+    needs, fields = objective.needs_runs, type(objective.options).model_fields
+    if not isinstance(needs, tuple) or not all(isinstance(n, str) and n in fields for n in needs):
+        fail(f"needs_runs must be a tuple of names of the objective's options {sorted(fields)}, got {needs!r}")
 
 
 def batch(subject: ObjectiveSubject) -> None:
     """The batch the core gets (make_batch on plain windows (B, T+1), or make_batch_from on Windows of
     random windows or padded documents, labelled by token_labels) holds int64 ``input_ids`` (B, T) with
     1 ≤ T ≤ block_size and int64 ``targets`` of the same shape; input ids in [0, vocab.size), targets
-    in [0, vocab.size) or IGNORE_INDEX (-100); at least one target scored."""
-    _, windows, made = subject.sample()
+    in [0, vocab.size) or IGNORE_INDEX (-100); at least one target scored. ``n_scored()`` (what evaluation
+    weights the batch's loss by) is a 0-dim integer tensor ≥ 0, with ``cross_entropy`` the number of scored
+    targets. An objective that runs the model may make N ≥ 1 rows (a pair objective 2B) scoring none."""
+    objective, windows, made = subject.sample()
     B, V, block = windows.tokens.shape[0], subject.shape.vocab_size, subject.shape.block_size
+    runs_model = objective.runs_model()
     for name in ("input_ids", "targets"):
         t = getattr(made, name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
             fail(f"Batch.{name} is {getattr(t, 'dtype', type(t).__name__)}, not an int64 tensor")
     x, y = made.input_ids, made.targets
-    if x.dim() != 2 or x.shape[0] != B or not 1 <= x.shape[1] <= block or y.shape != x.shape:
-        fail(f"input_ids {tuple(x.shape)} and targets {tuple(y.shape)}; expected both ({B}, T), 1 ≤ T ≤ {block}")
+    if x.dim() != 2 or not (x.shape[0] == B or runs_model and x.shape[0]) or not 1 <= x.shape[1] <= block \
+            or y.shape != x.shape:
+        fail(f"input_ids {tuple(x.shape)} and targets {tuple(y.shape)}; expected both ({'N' if runs_model else B}, "
+             f"T), 1 ≤ T ≤ {block}")
     if int(made.input_ids.min()) < 0 or int(made.input_ids.max()) >= V:
         fail(f"input ids outside [0, {V}): {sorted(set(made.input_ids.flatten().tolist()))}")
     scored = made.targets != IGNORE_INDEX
@@ -156,7 +188,13 @@ def batch(subject: ObjectiveSubject) -> None:
     if bool(bad.any()):
         fail(f"targets other than IGNORE_INDEX ({IGNORE_INDEX}) outside [0, {V}): "
              f"{sorted(set(made.targets[bad].tolist()))}")
-    if not bool(scored.any()):
+    n = made.n_scored()
+    if not (isinstance(n, torch.Tensor) and n.dim() == 0 and not n.is_floating_point() and int(n) >= 0):
+        fail(f"n_scored() is {n!r}, not a 0-dim integer tensor ≥ 0")
+    if subject.cross_entropy and not runs_model and int(n) != int(scored.sum()):
+        fail(f"n_scored() is {int(n)} and {int(scored.sum())} targets are scored: evaluation would weight the "
+             "mean cross-entropy of this batch by another count")
+    if not runs_model and not bool(scored.any()):
         fail(f"every target of a batch of {B} rows is IGNORE_INDEX: nothing to learn from")
 
 
@@ -182,7 +220,8 @@ def causal(subject: ObjectiveSubject) -> None:
     (d ≤ 0 when ``causal``, any d when not), fewer than half the scored positions t have
     ``input_ids[t + d] == targets[t]``. The kit's rows never repeat a token, so a higher share means the
     objective hands the model its targets: next-token targets with ``causal = False``, or targets that
-    are the inputs themselves under causal attention."""
+    are the inputs themselves under causal attention. It holds for objectives that run the model too:
+    whatever they feed it, ``targets`` are what it predicts from ``input_ids`` (a pair's answer tokens)."""
     objective, _, made = subject.sample()
     x, y = made.input_ids, made.targets
     T = x.shape[1]
@@ -200,11 +239,14 @@ def causal(subject: ObjectiveSubject) -> None:
 
 def padding(subject: ObjectiveSubject) -> None:
     """For ``sampling = "documents"``: giving padded positions other ids (they hold arbitrary ones)
-    changes neither which targets are scored nor their values, nor the inputs at unpadded positions.
-    Objectives sampling windows get no padding: nothing to check."""
+    changes neither which targets are scored nor their values, nor the inputs at unpadded positions
+    (for an objective that runs the model: see ``objective_runs.model_padding``). Objectives sampling
+    windows get no padding: nothing to check."""
     objective, windows, made = subject.sample()
     if windows.padding is None or not bool(windows.padding.any()):
         return
+    if objective.runs_model():
+        return model_padding(subject, objective, windows, made)
     other = dataclasses.replace(windows, tokens=windows.tokens.masked_fill(windows.padding, 1))
     again = subject.batch(objective, other)
     if not torch.equal(again.targets, made.targets):
@@ -220,9 +262,10 @@ def prompt_mask(subject: ObjectiveSubject) -> None:
     """For a prompt-masked objective (one whose ``token_labels`` refuses a corpus without a loss mask with
     a UserError, as the API asks, or whose targets change with the loss mask): a target is scored
     exactly where the token it names has loss_mask 1 and is no padding. No token of a prompt is a scored
-    target, and every response token at row positions 1..T-1 is one. Others: nothing to check."""
+    target, and every response token at row positions 1..T-1 is one. Others, and objectives that run
+    the model (whose labels may mean more than scored or not: a preference's two answers), pass."""
     objective, windows, made = subject.sample()
-    if not objective.wants_windows() or windows.labels is None:
+    if not objective.wants_windows() or windows.labels is None or objective.runs_model():
         return
     vocab = subject.vocabulary()
     try:
@@ -258,7 +301,7 @@ def token_labels(subject: ObjectiveSubject) -> None:
     if not objective.wants_windows():
         return
     positions = np.arange(2 * 5, dtype=np.int64).reshape(2, 5) * 3
-    for loss_mask in ("segments", None):
+    for loss_mask in ("corpus", None):
         try:
             labels = objective.token_labels(subject.split(subject.vocabulary(), loss_mask=loss_mask))
         except UserError:
@@ -275,75 +318,12 @@ def token_labels(subject: ObjectiveSubject) -> None:
             fail(f"token_labels' labels must fit uint8, got values {out.min()}..{out.max()}")
 
 
-def loss(subject: ObjectiveSubject) -> None:
-    """Through the core's ``compute_loss`` with the reference model (bidirectional when ``causal`` is
-    False): a finite floating-point scalar with a gradient. With ``cross_entropy`` (the default), equal
-    within 1e-4 to the mean cross-entropy of the scored targets worked out in float64; for an objective
-    with the base ``make_batch``, also to that of the logits over ``w[:, :-1]`` against ``w[:, 1:]``
-    from the windows alone. Either way, raising the scored targets' logits lowers it."""
-    from lmlab.model import compute_loss
-
-    objective, windows, made = subject.sample()
-    model = subject.model(objective.causal)
-    value = compute_loss(model, objective, made).loss
-    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
-            and bool(torch.isfinite(value).all()) and value.requires_grad):
-        fail(f"loss returned {value!r}, not a finite floating-point scalar tensor with a gradient")
-    with torch.no_grad():
-        logits = model(made.input_ids)
-    references = {"the mean cross-entropy of the batch's scored targets": _cross_entropy(logits, made.targets)}
-    if type(objective).make_batch is Objective.make_batch and not objective.wants_windows():
-        w = windows.tokens
-        references["the mean cross-entropy of the logits over w[:, :-1] against w[:, 1:]"] = \
-            _cross_entropy(model(w[:, :-1]).detach(), w[:, 1:])
-    if subject.cross_entropy:
-        for what, expected in references.items():
-            if abs(value.item() - expected) > SAME * max(1.0, abs(expected)):
-                fail(f"loss {value.item():.6g} differs from {what}, {expected:.6g}: the core reports exp(val loss) "
-                     "as perplexity (pass cross_entropy=False for an objective whose loss is something else)")
-    scored = made.targets != IGNORE_INDEX
-    boost = torch.zeros_like(logits).scatter_(-1, made.targets.clamp(min=0)[..., None], 5.0) * scored[..., None]
-    with torch.no_grad():
-        base, boosted = objective.loss(logits, made).item(), objective.loss(logits + boost, made).item()
-    if not boosted < base:
-        fail(f"raising the logits of the scored targets by 5 moved the loss from {base:.6g} to {boosted:.6g}, "
-             "not lower: the loss does not score the batch's targets")
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    scored = targets != IGNORE_INDEX
-    logp = logits.double().log_softmax(dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    return (-logp[scored].sum() / scored.sum().clamp(min=1)).item()
-
-
-def ignore_index(subject: ObjectiveSubject) -> None:
-    """The gradient of the loss (through ``compute_loss``) with respect to the logits is zero at every
-    position whose target is IGNORE_INDEX (-100) and non-zero at every scored one: the loss counts
-    exactly the targets its batch scores."""
-    from lmlab.model import compute_loss
-
-    objective, _, made = subject.sample()
-    model = subject.model(objective.causal)
-    with torch.no_grad():
-        logits = model(made.input_ids).requires_grad_(True)
-    compute_loss(model, objective, made, forward=lambda _: logits).loss.backward()
-    if logits.grad is None:
-        fail("the loss carries no gradient to the logits")
-    moved = logits.grad.abs().amax(dim=-1) > 0                                    # (B, T)
-    scored = made.targets != IGNORE_INDEX
-    for mask, what in ((~scored & moved, "ignored (IGNORE_INDEX) target moves the loss"),
-                       (scored & ~moved, "scored target has no effect on the loss")):
-        if bool(mask.any()):
-            r, t = (int(i) for i in mask.nonzero()[0])
-            fail(f"the logits at row {r}, position {t}, whose {what} ({int(mask.sum())} such positions)")
-
-
 def determinism(subject: ObjectiveSubject) -> None:
-    """The same Windows (same seed) give the same batch twice, whatever torch's global random state,
-    and making it leaves that state as it was: a batch's randomness comes from ``Windows.rand`` /
-    ``randint`` (seeded by run seed and step), so a resumed run sees the batches it would have."""
-    vocab = subject.vocabulary()
-    objective, split, made = subject.objective(vocab), subject.split(vocab), []
+    """The same Windows (same seed) give the same batch twice (every field of it, and ``n_scored()``),
+    whatever torch's global random state, and making it leaves that state as it was: a batch's
+    randomness comes from ``Windows.rand`` / ``randint`` (seeded by run seed and step), so a resumed
+    run sees the batches it would have."""
+    objective, split, made = subject.objective(vocab := subject.vocabulary()), subject.split(vocab), []
     for global_seed in (1, 2):
         windows = subject.draw(objective, split)
         with subject.seeded(global_seed):
@@ -351,26 +331,41 @@ def determinism(subject: ObjectiveSubject) -> None:
             made.append(subject.batch(objective, windows))
             if not torch.equal(state, torch.get_rng_state()):
                 fail("making a batch drew from torch's global random state; draw from Windows.rand / randint")
-    if not (torch.equal(made[0].input_ids, made[1].input_ids) and torch.equal(made[0].targets, made[1].targets)):
-        fail("the same Windows gave different batches under different global random states")
+    first, second = ({f.name: getattr(m, f.name) for f in dataclasses.fields(m)} | {"n_scored()": m.n_scored()}
+                     for m in made)
+    for name, value in first.items():
+        same = torch.equal(value, second[name]) if isinstance(value, torch.Tensor) else value == second[name]
+        if not same:
+            fail(f"the same Windows gave different batches under different global random states (in {name})")
 
 
 def replica_slices(subject: ObjectiveSubject) -> None:
     """For an objective that takes Windows: rows 2..3 of a global batch of 4, given as their own Windows
     (``first_row`` 2, ``total_rows`` 4, the same seed), make rows 2..3 of the global batch's Batch: a
-    data-parallel replica gets what one device would (``Windows.rand`` slices the global draw)."""
+    data-parallel replica gets what one device would (``Windows.rand`` slices the global draw). A tensor
+    field of k·4 rows is compared as k rows per window, k blocks of 4 (a pair batch's chosen rows, then
+    its rejected ones) or k consecutive rows per window. The replicas of rows 0..1 and 2..3 have
+    ``n_scored()`` that add up to the global batch's (evaluation sums every process's count)."""
     objective, windows, made = subject.sample()
     if not objective.wants_windows():
         return
-    rows = slice(2, ROWS)
-    part = dataclasses.replace(windows, first_row=2, total_rows=ROWS, **{
+    parts = [subject.batch(objective, dataclasses.replace(windows, first_row=rows.start, total_rows=ROWS, **{
         name: getattr(windows, name)[rows] for name in ("tokens", "labels", "padding")
-        if getattr(windows, name) is not None})
-    mine = subject.batch(objective, part)
-    for name in ("input_ids", "targets"):
-        if not torch.equal(getattr(mine, name), getattr(made, name)[rows]):
+        if getattr(windows, name) is not None})) for rows in (slice(0, 2), slice(2, ROWS))]
+    mine, whole = ({f.name: getattr(b, f.name) for f in dataclasses.fields(b)} for b in (parts[1], made))
+    for name, value in whole.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] % ROWS:
+            continue  # not one or more rows per window
+        k, rest = value.shape[0] // ROWS, value.shape[1:]
+        expected = (value.reshape(k, ROWS, *rest)[:, 2:].reshape(-1, *rest),
+                    value.reshape(ROWS, k, *rest)[2:].reshape(-1, *rest))
+        if not (isinstance(mine.get(name), torch.Tensor) and any(
+                mine[name].shape == e.shape and torch.equal(mine[name], e) for e in expected)):
             fail(f"rows 2..3 made as a replica's Windows (first_row 2 of 4) give other {name} than rows 2..3 of the "
                  "global batch: draw per-batch randomness with Windows.rand / randint, which slice the global draw")
+    if int(parts[0].n_scored()) + int(parts[1].n_scored()) != int(made.n_scored()):
+        fail(f"n_scored() of rows 0..1 and 2..3 made as replicas' Windows are {int(parts[0].n_scored())} and "
+             f"{int(parts[1].n_scored())}, and the global batch's {int(made.n_scored())}: not their sum")
 
 
 #: name → check, in the order ``check_objective`` runs them.
@@ -385,6 +380,9 @@ CHECKS = {
     "token_labels": token_labels,
     "loss": loss,
     "ignore_index": ignore_index,
+    "heads": heads,
+    "runs": runs,
+    "reports": reports,
     "determinism": determinism,
     "replica_slices": replica_slices,
 }
@@ -393,7 +391,10 @@ CHECKS = {
 def check_objective(plugin, options=None, **settings) -> None:
     """Run every objective check on ``plugin``; raise one ConformanceError listing the failures.
 
-    Settings: those of every entry point (``shape``, ``seed``, ``device``, ``skip``) and
-    ``cross_entropy`` (default True: the loss is the mean cross-entropy of the scored targets)."""
+    Settings: those of every entry point (``shape``, ``seed``, ``device``, ``skip``), ``cross_entropy``
+    (default True: the loss is the mean cross-entropy of the scored targets), ``corpus``
+    (``"segments"`` or ``"preferences"``, see the module docstring) and ``runs`` (option of
+    ``needs_runs`` → the objective, by name or class, whose heads that run's model has and which its
+    manifest names, e.g. ``{"reward_run": "reward-model"}``; default: the objective under test)."""
     skip = settings.pop("skip", ())
     run_checks(select_checks(CHECKS, ObjectiveSubject(plugin, options, **settings), skip))
