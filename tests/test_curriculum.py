@@ -164,3 +164,30 @@ def test_a_run_with_a_curriculum_trains(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4
+
+
+def test_an_objectives_own_score_orders_the_documents():
+    """``curriculum = "objective"``: the order is the objective's score's, one entry per document of the
+    split (empty documents included, and left out of the order)."""
+    from types import SimpleNamespace
+
+    from lmlab.api import Objective, TokenSplit
+    from lmlab.train.curriculum import build
+
+    tokens, starts = corpus(n_docs=10)
+    starts = np.insert(starts, 3, starts[3])  # an empty document
+    score = np.arange(len(starts), dtype=float)[::-1]  # the last document is the easiest
+
+    class Scored(Objective):
+        def difficulty(self, split):
+            assert split.name == "train" and len(split.document_starts) == len(starts)
+            return score
+
+    data = SimpleNamespace(train=tokens, split=lambda name: TokenSplit(
+        name=name, tokens=tokens, loss_mask=None, document_starts=starts, tokenizer=None))
+    options = SimpleNamespace(curriculum="objective", curriculum_start=0.5, curriculum_steps=4,
+                              curriculum_pacing="linear")
+    s, e = document_spans(tokens, starts)
+    keep = np.diff(np.append(starts, len(tokens))) > 0
+    plan = build(options, data, Scored(), s, e, keep)
+    assert plan.order.tolist() == list(range(len(s)))[::-1]
