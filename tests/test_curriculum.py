@@ -89,7 +89,7 @@ def test_windows_start_inside_the_available_documents():
     batches = RandomWindows(tokens, block_size=4, batch_size=64, seed=0, curriculum=plan, documents=(s, e))
     for step in range(plan.steps):
         allowed = plan.order[:plan.available(step)]
-        begin = batches._curriculum_starts(step, 64)
+        begin = batches._document_starts(step, 64)
         doc = np.searchsorted(s, begin, side="right") - 1
         assert np.isin(doc, allowed).all(), step
         # and the batch is made of the windows at those starts

@@ -133,7 +133,7 @@ def test_a_state_of_arrays_and_json_values_comes_back_from_a_checkpoint_as_it_wa
     received = []
     loading = Everything()
     loading.load_state_dict = received.append
-    pending = (((b"prompt ", False), ("répons".encode(), True)), False)
+    pending = (((b"prompt ", 0), ("répons".encode(), 1)), False, 1.0)
     description = checkpoint.save(tmp_path, "filters-00001.npz", {2: ("everything", saving)}, pending)
     json.dumps(description)  # what state.json holds
     assert checkpoint.load(tmp_path, description, {2: ("everything", loading)}) == pending

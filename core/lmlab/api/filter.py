@@ -76,16 +76,30 @@ class Filter(Plugin):
             return None
         return doc.map_text(self.transform) if isinstance(doc, Record) else self.transform(doc)
 
+    def weigh(self, doc: Document) -> float:
+        """How much training should draw from a kept document, in [0, 1] (API 1.11): down-weighting
+        instead of dropping (a passage scored as biased, code with a risky comment).
+
+        Runs in a worker, once per document this filter kept, on what its
+        [apply][lmlab.api.filter.Filter.apply] returned. A document's weight is the product of every
+        filter's; ``lmlab prepare`` stores it beside the shards, and training draws windows (or
+        documents) with probability proportional to it. Default 1.0: every kept document counts fully.
+        Corpus-level filters weigh in [admit][lmlab.api.filter.Filter.admit] instead.
+        """
+        return 1.0
+
     def signature(self, text: str) -> Any:
         """Corpus-level filters: what [admit][lmlab.api.filter.Filter.admit] needs of a document (a
         hash, a MinHash). Runs in a worker on the document's whole text as the filters before this
         one left it; the value travels to the main process, so keep it small and picklable."""
         return None
 
-    def admit(self, signature: Any) -> bool:
+    def admit(self, signature: Any) -> bool | float:
         """Corpus-level filters: whether to keep the document with this signature, given every
         document admitted before it. Runs in the main process, in corpus order, once for each
-        document that the filters before this one kept."""
+        document that the filters before this one kept. A float in [0, 1] (API 1.11) keeps the
+        document with that sampling weight (see [weigh][lmlab.api.filter.Filter.weigh]); 0.0 keeps it
+        with no chance of being drawn, False drops it."""
         return True
 
     def state_dict(self) -> dict | None:

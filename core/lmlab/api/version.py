@@ -102,6 +102,11 @@ and raise the bound when the plugin starts to use a newer one.
      returns the final hidden states. ``Segment.label`` (the loss mask's value on a scored segment's
      tokens, telling a record's scored parts apart). ``DataOptions.curriculum`` (order training
      documents from easy to hard, by length, token rarity or the objective's ``difficulty``).
+
+1.11: Per-document sample weights: ``Filter.weigh(doc)`` (a number in [0, 1] for a kept document) and a
+     float from a corpus-level ``Filter.admit`` (keep with that weight); a document's weight is the
+     product of its filters', stored beside the shards, and training draws windows or documents in
+     proportion to it.
 """
 
-API_VERSION = "1.10"
+API_VERSION = "1.11"

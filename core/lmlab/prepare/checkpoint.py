@@ -35,7 +35,7 @@ class Unusable(ValueError):
 
 def save(folder: Path, name: str, filters: dict[int, tuple[str, object]], pending) -> dict | None:
     """Write the checkpoint ``folder/name`` of ``filters`` (index → (name, instance)) and ``pending``
-    (the document held back: (((utf-8 bytes, mask value), ...), is plain text), or None); returns its
+    (the document held back: (((utf-8 bytes, mask value), ...), is plain text, weight), or None); returns its
     description for ``state.json``, or None, writing nothing, when a filter's ``state_dict`` is None."""
     arrays: dict[str, np.ndarray] = {}
     described = {}
@@ -52,10 +52,11 @@ def save(folder: Path, name: str, filters: dict[int, tuple[str, object]], pendin
         described[str(j)] = {"state": tree, "arrays": [path for path, _ in found]}
     held = None
     if pending is not None:
-        segments, is_text = pending
+        segments, is_text, weight = pending
         arrays["pending"] = np.frombuffer(b"".join(data for data, _ in segments), dtype=np.uint8)
         ends = np.cumsum([len(data) for data, _ in segments]).tolist()
-        held = {"ends": ends, "scored": [int(value) for _, value in segments], "is_text": bool(is_text)}
+        held = {"ends": ends, "scored": [int(value) for _, value in segments], "is_text": bool(is_text),
+                "weight": float(weight)}
     path = folder / name
     tmp = shards.temporary(path)
     try:
@@ -100,7 +101,7 @@ def load(folder: Path, description, filters: dict[int, tuple[str, object]]):
             segments = tuple((data[a:b], int(value)) for a, b, value in zip(starts, held["ends"], held["scored"],
                                                                             strict=True))
             _require(bool(segments) and held["ends"][-1] == len(data), f"{name}: the held-back document is damaged")
-            return segments, bool(held["is_text"])
+            return segments, bool(held["is_text"]), float(held.get("weight", 1.0))
     except Unusable:
         raise
     except Exception as exc:  # a damaged file, or a state its filter refuses (ValueError by contract)

@@ -82,14 +82,17 @@ def _check(directory: Path) -> dict:
             and all(isinstance(index.get(field), dict) for field in ("documents", "tokens", "source", "filters"))
             and valid_files(index.get("tokenizer"))):
         raise Damaged("index.json lacks what an index holds")
-    sizes = {"bin": np.dtype(dtype).itemsize, "docs": 8, "mask": 1}
-    expected = {"bin", "docs", "mask"} if index["masked"] else {"bin", "docs"}
+    weighted = index.get("weighted", False)  # absent from indexes written before document weights
+    if not isinstance(weighted, bool):
+        raise Damaged("index.json lacks what an index holds")
+    sizes = {"bin": np.dtype(dtype).itemsize, "docs": 8, "mask": 1, "weights": 4}
+    expected = {"bin", "docs"} | ({"mask"} if index["masked"] else set()) | ({"weights"} if weighted else set())
     for split in SPLITS:
         for shard in shards_of[split]:
             if not valid_shard(shard, split) or set(shard["files"]) != expected:
                 raise Damaged(f"index.json lists a {split} shard it could not have written")
             for suffix, digest in shard["files"].items():
-                count = shard["documents"] if suffix == "docs" else shard["tokens"]
+                count = shard["documents"] if suffix in ("docs", "weights") else shard["tokens"]
                 _verify(directory, f"{shard['name']}.{suffix}", digest, count * sizes[suffix])
     tokenizer = directory / "tokenizer"
     present = {p.relative_to(tokenizer).as_posix() for p in tokenizer.rglob("*") if not p.is_dir()}

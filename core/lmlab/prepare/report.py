@@ -6,10 +6,13 @@ import time
 
 def new_stats(name: str) -> dict:
     return {"name": name, "documents_in": 0, "documents_kept": 0, "documents_dropped": 0, "documents_changed": 0,
-            "characters_in": 0, "characters_kept": 0, "characters_dropped": 0, "counts": {}}
+            "characters_in": 0, "characters_kept": 0, "characters_dropped": 0, "weight_sum": 0.0,
+            "characters_weighted": 0.0, "counts": {}}
 
 
-def record(stats: dict, n_in: int, n_out: int, changed: bool, counts: dict | None, dropped: bool) -> None:
+def record(stats: dict, n_in: int, n_out: int, changed: bool, counts: dict | None, dropped: bool,
+           weight: float = 1.0) -> None:
+    """Add one document's passage through a filter; ``weight``: what the filter weighed a kept one."""
     stats["documents_in"] += 1
     stats["characters_in"] += n_in
     if dropped:
@@ -18,6 +21,8 @@ def record(stats: dict, n_in: int, n_out: int, changed: bool, counts: dict | Non
     else:
         stats["documents_kept"] += 1
         stats["characters_kept"] += n_out
+        stats["weight_sum"] += weight
+        stats["characters_weighted"] += weight * n_out
         stats["documents_changed"] += bool(changed)
     for what, n in (counts or {}).items():
         stats["counts"][what] = stats["counts"].get(what, 0) + n
@@ -33,7 +38,11 @@ def merged(a: dict | None, b: dict | None) -> dict | None:
 
 
 def public(stats: dict) -> dict:
-    return {k: v for k, v in stats.items() if k != "name"}
+    """A filter's statistics as the index and summary.json report them: with its mean weight over the
+    documents it kept and the characters they weigh (what training effectively draws from)."""
+    out = {k: v for k, v in stats.items() if k not in ("name", "weight_sum")}
+    out["mean_weight"] = stats.get("weight_sum", 0.0) / stats["documents_kept"] if stats["documents_kept"] else 0.0
+    return out
 
 
 class Progress:
@@ -77,7 +86,10 @@ class Progress:
             for name, s in index["filters"].items():
                 self._line(f"  {name}: kept {s['documents_kept']:,} of {s['documents_in']:,} documents "
                            f"({s['documents_changed']:,} changed), {s['characters_kept']:,} of "
-                           f"{s['characters_in']:,} characters" + "".join(f", {k} {v:,}" for k, v in s["counts"].items()))
+                           f"{s['characters_in']:,} characters"
+                           + (f", mean weight {s['mean_weight']:.3f} ({s['characters_weighted']:,.0f} characters "
+                              "weighted)" if s.get("mean_weight", 1.0) < 1.0 else "")
+                           + "".join(f", {k} {v:,}" for k, v in s["counts"].items()))
             for what, n in index["source"].items():
                 self._line(f"  data: {what} {n:,}")
 

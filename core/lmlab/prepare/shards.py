@@ -7,6 +7,8 @@ A split is a sequence of shards ``<split>-NNNNN``, each a set of raw little-endi
     <split>-NNNNN.docs   uint64 offset of each document's first token within the shard
     <split>-NNNNN.mask   uint8 per token, 1 where a prompt-masked objective scores it (only for
                          corpora with Records that have unscored segments)
+    <split>-NNNNN.weights  float32 per document, its sampling weight (only for corpora whose filters
+                         weighed a document below 1)
 
 ``index.json`` lists the shards of each split in order with their token and document counts and the
 SHA-256 of every file, so a resumed preparation can verify what it keeps. Reading, the shards of a
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-SUFFIXES = {"bin": None, "docs": "<u8", "mask": "u1"}  # None: the corpus's token dtype
+SUFFIXES = {"bin": None, "docs": "<u8", "mask": "u1", "weights": "<f4"}  # None: the corpus's token dtype
 CHUNK = 1 << 20
 
 

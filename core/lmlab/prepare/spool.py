@@ -3,7 +3,8 @@
 
 A part of a split is ``<split>-NNNNN.txt`` (the documents' UTF-8 text, concatenated) and
 ``<split>-NNNNN.spans`` (int64 (n, 2): each segment's end byte and flags, ``SCORED`` for a segment a
-prompt-masked objective scores, with its label, and ``FIRST`` for the first segment of a document).
+prompt-masked objective scores, with its label, and ``FIRST`` for the first segment of a document,
+which also holds the document's sampling weight).
 """
 
 from pathlib import Path
@@ -23,11 +24,11 @@ class Part:
         self.size = 0
         self.documents = 0
 
-    def add(self, segments) -> None:
+    def add(self, segments, weight: float = 1.0) -> None:
         for i, (data, value) in enumerate(segments):
             self.chunks.append(data)
             self.size += len(data)
-            self.spans.append((self.size, span_flags(int(value), i == 0)))
+            self.spans.append((self.size, span_flags(int(value), i == 0, weight)))
         self.documents += 1
 
     def write(self, spool: Path, name: str) -> dict:

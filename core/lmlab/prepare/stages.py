@@ -15,7 +15,7 @@ from lmlab.api import Record, UserError
 from lmlab.errors import warn
 from lmlab.prepare import checkpoint, shards, spool
 from lmlab.prepare.report import merged, new_stats, public, record
-from lmlab.prepare.work import PluginSpec, TokenizeTask, Workers
+from lmlab.prepare.work import PluginSpec, TokenizeTask, Workers, checked_weight
 
 FORMAT = 3  # bump when the cache layout changes
 CHUNK_CHARS = 1 << 18  # documents per filtering task: about this many characters...
@@ -93,7 +93,7 @@ class Build:
         self.state = {
             "format": FORMAT, "key": self.key, "shard_bytes": self.shard_bytes, "stage": "filter",
             "consumed": 0, "input_bytes": 0, "kept": 0, "documents": {s: 0 for s in SPLITS},
-            "masked": False, "parts": [], "checkpoint": None, "shards": {s: {} for s in SPLITS},
+            "masked": False, "weighted": False, "parts": [], "checkpoint": None, "shards": {s: {} for s in SPLITS},
             "filters": [new_stats(spec.name) for spec in self.filters],
         }
         self._save_state()
@@ -159,23 +159,27 @@ class Build:
     def _fold(self, outcome: tuple) -> None:
         """One document's outcome, in corpus order: the corpus-level filters' verdicts, the filters'
         statistics, and the document itself into a split."""
-        size, segments, is_text, trace, signatures = outcome
+        size, segments, is_text, trace, signatures, weight = outcome
         st = self.state
         st["consumed"] += 1
         st["input_bytes"] += size
         kept = segments is not None
-        for j, (n_in, n_out, changed, counts, dropped) in enumerate(trace):
+        for j, (n_in, n_out, changed, counts, dropped, own) in enumerate(trace):
             if j in signatures:
                 admitting = self.admitting[j]
-                if not admitting.admit(signatures[j]):
+                verdict = admitting.admit(signatures[j])
+                if verdict is False or verdict is None:
                     dropped, n_out = True, 0
+                elif verdict is not True:  # a weight (API 1.11)
+                    own = checked_weight(verdict, f"filter {admitting.name!r}: admit")
+                    weight *= own
                 counts = merged(counts, admitting.__dict__.pop("_counts", None))
-            record(st["filters"][j], n_in, n_out, changed, counts, dropped)
+            record(st["filters"][j], n_in, n_out, changed, counts, dropped, own)
             if dropped:
                 kept = False
                 break
         if kept:
-            previous, self.pending = self.pending, (segments, is_text)
+            previous, self.pending = self.pending, (segments, is_text, weight)
             if previous is not None:
                 self._assign(previous)
 
@@ -186,10 +190,12 @@ class Build:
             split = "val" if (k + 1) * self.p // self.q > k * self.p // self.q else "train"
         st["kept"] += 1
         st["documents"][split] += 1
-        segments, _ = doc
+        segments, _, weight = doc
         if any(not scored for _, scored in segments):
             st["masked"] = True
-        self.parts[split].add(segments)
+        if weight != 1.0:
+            st["weighted"] = True
+        self.parts[split].add(segments, weight)
         if close and sum(part.size for part in self.parts.values()) >= self.shard_bytes:
             self._close_part()
 
@@ -231,7 +237,7 @@ class Build:
             # No part closes until the last document is in: a checkpoint in between would hold a
             # half-assigned end of the corpus.
             if st["kept"] == 0:  # one document: cut it by characters
-                segments, is_text = last
+                segments, is_text, weight = last
                 if not is_text:
                     raise UserError("the corpus holds one record, which cannot be split into training and "
                                     "validation data; it needs at least two", key="data")
@@ -243,7 +249,7 @@ class Build:
                                     f"out {self.val_fraction} of it for validation", key="data.val_fraction")
                 st["split"], st["separate_documents"] = "characters", False
                 for piece, split in ((text[:cut], "train"), (text[cut:], "val")):
-                    self._assign((((piece.encode("utf-8"), True),), True), split, close=False)
+                    self._assign((((piece.encode("utf-8"), 1),), True, weight), split, close=False)
             else:
                 st["split"], st["separate_documents"] = "documents", True
                 self._assign(last, "val" if st["documents"]["val"] == 0 else None, close=False)
@@ -309,7 +315,7 @@ class Build:
                     continue
                 tasks.append(TokenizeTask(self.spool, self.partial, split, part["index"], self.tokenizer,
                                           self.partial / "tokenizer", st["dtype"], st["separate_documents"],
-                                          st["masked"]))
+                                          st["masked"], st.get("weighted", False)))
         total = sum(1 for part in st["parts"] for split in SPLITS if split in part)
         spooled = {(split, part["index"]): part[split]["bytes"] for part in st["parts"] for split in SPLITS
                    if split in part}
@@ -349,7 +355,8 @@ class Build:
                 raise UserError(f"the {what} split holds no tokens: the corpus is too small", key="data")
         index = {
             "format": FORMAT, "key": self.key, "dtype": st["dtype"], "vocab_size": st["vocab_size"],
-            "eos_id": st["eos_id"], "masked": st["masked"], "split": st["split"],
+            "eos_id": st["eos_id"], "masked": st["masked"], "weighted": st.get("weighted", False),
+            "split": st["split"],
             "documents": st["documents"], "tokens": tokens, "input_bytes": st["input_bytes"],
             "source": st["source"], "filters": {s["name"]: public(s) for s in st["filters"]},
             "shards": {split: [entry for entry in listed[split] if entry["tokens"]] for split in SPLITS},

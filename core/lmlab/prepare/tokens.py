@@ -38,6 +38,14 @@ class TokenData:
             offset += shard["tokens"]
         return np.concatenate(starts) if starts else np.zeros(0, np.int64)
 
+    def document_weights(self, split: str) -> np.ndarray | None:
+        """(n_documents,) float32: each document's sampling weight (the product of the filters'), or None
+        when every document weighs 1."""
+        if not self.index.get("weighted"):
+            return None
+        return np.concatenate([np.fromfile(self.directory / f"{shard['name']}.weights", dtype="<f4")
+                               for shard in self.index["shards"][split]] or [np.zeros(0, np.float32)])
+
     def split(self, name: str) -> TokenSplit:
         """One split as an objective sees it (``Objective.token_labels``)."""
         tokens, mask = (self.train, self.train_mask) if name == "train" else (self.val, self.val_mask)
@@ -49,6 +57,10 @@ class TokenData:
         counts, and each filter's documents and characters kept and dropped."""
         out = {"data": {"documents": self.index["documents"], "tokens": self.index["tokens"],
                         "source": self.index["source"], "cache": self.directory.name}}
+        weights = self.document_weights("train")
+        if weights is not None:  # what training draws from: each document's tokens times its weight
+            sizes = np.diff(np.append(self.document_starts("train"), len(self.train)))
+            out["data"]["effective_train_tokens"] = float((weights.astype(np.float64) * sizes).sum())
         if self.index["filters"]:
             out["data_filters"] = self.index["filters"]
         return out

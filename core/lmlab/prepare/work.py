@@ -31,17 +31,29 @@ SCORED, FIRST = 1, 2
 LABEL_SHIFT = 8
 
 
-def span_flags(mask_value: int, first: bool) -> int:
-    """A spooled segment's flags: ``mask_value`` (0 unscored, else the segment's label) and whether it
-    opens its document."""
-    return (SCORED if mask_value else 0) | (FIRST if first else 0) | (mask_value << LABEL_SHIFT)
+WEIGHT_SHIFT = 32  # a document's first span holds its sampling weight, as float32 bits of (1 - weight)
+
+
+def span_flags(mask_value: int, first: bool, weight: float = 1.0) -> int:
+    """A spooled segment's flags: ``mask_value`` (0 unscored, else the segment's label), whether it
+    opens its document, and on the first segment the document's sampling weight (stored as 1 − weight,
+    so that spools written before weights existed read as weight 1)."""
+    flags = (SCORED if mask_value else 0) | (FIRST if first else 0) | (mask_value << LABEL_SHIFT)
+    if first and weight != 1.0:
+        flags |= int(np.array(1.0 - weight, dtype="<f4").view("<u4")) << WEIGHT_SHIFT
+    return flags
+
+
+def span_weight(flags: int) -> float:
+    """The sampling weight a document's first span holds."""
+    return 1.0 - float(np.array(flags >> WEIGHT_SHIFT, dtype="<u4").view("<f4"))
 
 
 def mask_value(flags: int) -> int:
     """The loss mask's value on a spooled segment's tokens."""
     if not flags & SCORED:
         return 0
-    return (flags >> LABEL_SHIFT) or 1
+    return ((flags >> LABEL_SHIFT) & 0xFF) or 1
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,14 @@ class TokenizeTask:
     dtype: str
     separate_documents: bool  # append the tokenizer's end-of-document id after each document
     masked: bool  # write the loss mask
+    weighted: bool = False  # write each document's sampling weight
+
+
+def checked_weight(value, who: str) -> float:
+    """A filter's weight as a float in [0, 1]; a plugin that gives anything else is broken (TypeError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise TypeError(f"{who} returned {value!r}; a document's weight is a number in [0, 1]")
+    return float(value)
 
 
 class Worker:
@@ -78,34 +98,36 @@ class Worker:
     def filter_chunk(self, chunk: list[Any]) -> list[tuple]:
         """Each document of ``chunk`` through the filters, in order. Per document:
         (input bytes, kept segments as ((utf-8 bytes, mask value), ...) or None, is plain text,
-        trace: one (chars in, chars out, changed, counts, dropped) per filter reached,
-        {filter index: signature} of the corpus-level filters reached)."""
+        trace: one (chars in, chars out, changed, counts, dropped, weight) per filter reached,
+        {filter index: signature} of the corpus-level filters reached, the document's weight: the
+        product of the filters' ``weigh``)."""
         return [self._filter_one(doc) for doc in chunk]
 
     def _filter_one(self, doc) -> tuple:
         text = document_text(doc)
         size = len(text.encode("utf-8"))
-        trace, signatures = [], {}
+        trace, signatures, weight = [], {}, 1.0
         for j, f in enumerate(self.filters):
             n_in = len(text)
             if f.corpus_level:
                 signatures[j] = f.signature(text)
-                trace.append((n_in, n_in, False, f.__dict__.pop("_counts", None), False))
+                trace.append((n_in, n_in, False, f.__dict__.pop("_counts", None), False, 1.0))
                 continue
             out = f.apply(doc)
-            counts = f.__dict__.pop("_counts", None)
             if out is None:
-                trace.append((n_in, 0, False, counts, True))
-                return size, None, isinstance(doc, str), trace, signatures
+                trace.append((n_in, 0, False, f.__dict__.pop("_counts", None), True, 0.0))
+                return size, None, isinstance(doc, str), trace, signatures, 0.0
             changed = out != doc
             doc = out
             text = document_text(doc) if changed else text
-            trace.append((n_in, len(text), changed, counts, False))
+            own = checked_weight(f.weigh(doc), f"filter {f.name!r}: weigh")
+            weight *= own
+            trace.append((n_in, len(text), changed, f.__dict__.pop("_counts", None), False, own))
         if isinstance(doc, Record):
             segments = tuple((s.text.encode("utf-8"), s.mask_value) for s in doc.segments)
         else:
             segments = ((doc.encode("utf-8"), 1),)
-        return size, segments, isinstance(doc, str), trace, signatures
+        return size, segments, isinstance(doc, str), trace, signatures, weight
 
     def tokenize_part(self, task: TokenizeTask) -> dict:
         """The token shard of one spooled part: its files written, and its index entry."""
@@ -115,7 +137,7 @@ class Worker:
         spans = np.fromfile(task.spool / f"{name}.spans", dtype="<i8").reshape(-1, 2)  # (n, 2): end, flags
         dtype = np.dtype(task.dtype)
         eos = tokenizer.eos_id if task.separate_documents else None
-        ids, masks, starts = [], [], []
+        ids, masks, starts, weights = [], [], [], []
         n, begin, last = 0, 0, 1
         for i, (end, flags) in enumerate(spans.tolist()):
             if flags & FIRST:
@@ -124,6 +146,7 @@ class Worker:
                     masks.append(np.full(1, last, dtype=np.uint8))
                     n += 1
                 starts.append(n)
+                weights.append(span_weight(flags))
             piece = np.asarray(tokenizer.encode(text[begin:end].decode("utf-8")), dtype=dtype)
             ids.append(piece)
             value = mask_value(flags)
@@ -141,6 +164,8 @@ class Worker:
                   "docs": np.asarray(starts, dtype=SUFFIXES["docs"])}
         if task.masked:
             arrays["mask"] = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+        if task.weighted:
+            arrays["weights"] = np.asarray(weights, dtype=SUFFIXES["weights"])
         files = {suffix: write_array(task.out / f"{name}.{suffix}", array) for suffix, array in arrays.items()}
         return {"name": name, "tokens": n, "documents": len(starts), "files": files}
 

@@ -69,6 +69,7 @@ filter                on :data:`filter.DOCUMENTS` or ``documents``
   worker_process      class and options pickled as prepare sends them; same results in a fresh
                       interpreter with another PYTHONHASHSEED
   state_dict          corpus-level: prepare's checkpoint of ``admit``'s state resumes identically
+  weights             ``weigh`` (API 1.11): a number in [0, 1] per kept document, the same from a fresh instance
 data                  with ``options`` naming some data (a file the test writes)
   documents           str or Record, as ``yields_records`` declares; at least one
   determinism         two passes and a fresh instance yield the same documents

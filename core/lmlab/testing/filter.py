@@ -206,6 +206,24 @@ def state_dict(subject: FilterSubject) -> None:
                  f"{'admits' if expected else 'drops'}: load_state_dict does not restore what admit learnt")
 
 
+def weights(subject: FilterSubject) -> None:
+    """``weigh`` (API 1.11) gives each document ``apply`` kept a number in [0, 1] that depends on the
+    document and the options only: a fresh instance gives the same weights (the preparation multiplies
+    the filters' weights into the document's sampling weight, in whichever worker)."""
+    instance = subject.plugin()
+    if instance.corpus_level:
+        return
+    kept = [out for out in _outputs(instance, subject.documents) if out is not None]
+    first = [instance.weigh(doc) for doc in kept]
+    for i, w in enumerate(first):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= float(w) <= 1.0:
+            fail(f"weigh() of kept document {i} returned {w!r}; a weight is a number in [0, 1]")
+    again = [subject.plugin().weigh(doc) for doc in kept[::-1]][::-1]
+    if again != first:
+        fail("weigh() gave other weights from a fresh instance that saw the documents in reverse order; a weight "
+             "must depend on the document and the options only")
+
+
 #: name → check, in the order ``check_filter`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
@@ -213,4 +231,5 @@ CHECKS = {
     "per_document": per_document,
     "worker_process": worker_process,
     "state_dict": state_dict,
+    "weights": weights,
 }

@@ -74,34 +74,42 @@ class RandomWindows(EndlessBatches):
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
                  replica: int = 0, replicas: int = 1, start: int = 0, rich: bool = False, labels=None,
-                 accum: int = 1, curriculum=None, documents: tuple[np.ndarray, np.ndarray] | None = None):
+                 accum: int = 1, curriculum=None, documents: tuple[np.ndarray, np.ndarray] | None = None,
+                 weights: np.ndarray | None = None):
         if len(tokens) <= block_size + 1:
             raise ValueError(f"the training split has {len(tokens)} tokens; block_size {block_size} needs more")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.seed, self.replica, self.replicas, self.start, self.accum = seed, replica, replicas, start, accum
         self.rich, self.labels = rich, labels
         self._offsets = np.arange(block_size + 1)
-        # lmlab.train.curriculum: while it ramps up, windows start inside the easiest documents only
-        # (``documents``: the (starts, ends) its order indexes).
-        self.curriculum, self.documents = curriculum, documents
+        # Drawing by document (``documents``: the (starts, ends) of the non-empty training documents):
+        # while a curriculum (lmlab.train.curriculum) ramps up, windows start inside the easiest
+        # documents only; with ``weights`` (one per document, from the filters), a window starts in a
+        # document with probability proportional to its tokens times its weight.
+        self.curriculum, self.documents, self.weights = curriculum, documents, weights
 
-    def _curriculum_starts(self, step: int, total: int) -> np.ndarray | None:
-        """Window starts uniform over the tokens of the documents available at ``step``; None once all are."""
-        available = self.curriculum.available(step)
-        if available >= len(self.curriculum.order):
+    def _document_starts(self, step: int, total: int) -> np.ndarray | None:
+        """Window starts drawn by document, uniform within one; None when neither a curriculum nor
+        weights restrict the plain uniform draw."""
+        chosen = None
+        if self.curriculum is not None and self.curriculum.available(step) < len(self.curriculum.order):
+            chosen = self.curriculum.order[:self.curriculum.available(step)]
+        if chosen is None and self.weights is None:
             return None
         starts, ends = self.documents
-        chosen = self.curriculum.order[:available]
-        sizes = (ends[chosen] - starts[chosen]).astype(np.int64)
+        if chosen is None:
+            chosen = np.arange(len(starts))
+        sizes = ends[chosen] - starts[chosen]
+        mass = sizes * (self.weights[chosen].astype(np.float64) if self.weights is not None else 1.0)
         rng = np.random.default_rng([self.seed, CURRICULUM_DRAWS, step])
-        at = rng.integers(0, int(sizes.sum()), size=total)
-        which = np.searchsorted(np.cumsum(sizes), at, side="right")
-        begin = starts[chosen][which] + (at - (np.cumsum(sizes) - sizes)[which])
+        cdf = np.cumsum(mass)
+        which = np.minimum(np.searchsorted(cdf, rng.random(total) * cdf[-1], side="right"), len(chosen) - 1)
+        begin = starts[chosen][which] + rng.integers(0, sizes[which])
         return np.minimum(begin, len(self.tokens) - self.block_size - 2)
 
     def batch(self, index: int):
         step, first, total = self.slot(index)
-        starts = self._curriculum_starts(step, total) if self.curriculum is not None else None
+        starts = self._document_starts(step, total) if self.documents is not None else None
         if starts is None:
             rng = np.random.default_rng([self.seed, 0, step])
             starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=total)
@@ -202,7 +210,7 @@ class RandomDocuments(EndlessBatches):
 
     def __init__(self, tokens, document_starts: np.ndarray, block_size: int, batch_size: int, seed: int,
                  replica: int = 0, replicas: int = 1, start: int = 0, labels=None, pad_id: int = 0,
-                 accum: int = 1, curriculum=None):
+                 accum: int = 1, curriculum=None, weights: np.ndarray | None = None):
         self.tokens = tokens
         self.starts, self.ends = document_spans(tokens, document_starts)
         if len(self.starts) == 0:
@@ -211,6 +219,7 @@ class RandomDocuments(EndlessBatches):
         self.replica, self.replicas, self.start, self.accum = replica, replicas, start, accum
         self.labels, self.pad_id = labels, pad_id
         self.curriculum = curriculum  # lmlab.train.curriculum.Curriculum over these documents, or None
+        self.weights = weights  # (n,) per non-empty document: draws in proportion to them, or None
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -223,11 +232,18 @@ class RandomDocuments(EndlessBatches):
     def documents(self, index: int) -> np.ndarray:
         """(B,) indices of this replica's documents in micro-batch ``index``."""
         step, first, total = self.slot(index)
+        pool = None
         if self.curriculum is not None and (available := self.curriculum.available(step)) < len(self.starts):
-            # The step's global batch from the easiest documents, without repeats while there are enough.
+            pool = self.curriculum.order[:available]  # the easiest documents
+        if pool is not None or self.weights is not None:
+            pool = np.arange(len(self.starts)) if pool is None else pool
             rng = np.random.default_rng([self.seed, CURRICULUM_DRAWS, step])
-            drawn = rng.choice(available, size=total, replace=total > available)
-            return self.curriculum.order[drawn[first:first + self.batch_size]]
+            if self.weights is None:  # without repeats while there are enough
+                drawn = rng.choice(len(pool), size=total, replace=total > len(pool))
+            else:  # in proportion to the weights, so with repeats
+                p = self.weights[pool].astype(np.float64)
+                drawn = rng.choice(len(pool), size=total, replace=True, p=p / p.sum())
+            return pool[drawn[first:first + self.batch_size]]
         samples = step * total + first + np.arange(self.batch_size)
         epochs, within = np.divmod(samples, len(self.starts))
         out = np.empty(self.batch_size, dtype=np.int64)

@@ -342,13 +342,19 @@ class TokenDataModule(L.LightningDataModule):
             check_windows_fit(tokens, block_size)
         self.labels = {split: objective.token_labels(tokens.split(split)) if self.rich else None
                        for split in ("train", "val")}
-        self.curriculum, self.train_documents = None, None
-        if getattr(data_options, "curriculum", "none") != "none":
+        self.curriculum, self.train_documents, self.weights = None, None, None
+        weights = tokens.document_weights("train") if hasattr(tokens, "document_weights") else None
+        if getattr(data_options, "curriculum", "none") != "none" or weights is not None:
             document_starts = tokens.document_starts("train")
             starts, ends = document_spans(tokens.train, document_starts)
             keep = np.diff(np.append(np.asarray(document_starts, dtype=np.int64), len(tokens.train))) > 0
             self.curriculum = curriculum.build(data_options, tokens, objective, starts, ends, keep)
             self.train_documents = (starts, ends)
+            if weights is not None:
+                self.weights = weights[keep]
+                if not self.weights.sum() > 0:
+                    raise UserError("the filters weighed every training document 0: training has nothing to draw",
+                                    key="filter.use")
 
     def train_dataloader(self) -> DataLoader:
         # Called after a checkpoint is restored, so global_step already says where to continue.
@@ -361,11 +367,11 @@ class TokenDataModule(L.LightningDataModule):
         if self.sampling == "documents":
             windows = RandomDocuments(self.tokens.train, self.tokens.document_starts("train"), self.block_size,
                                       self.batch_size, self.seed, labels=self.labels["train"],
-                                      curriculum=self.curriculum, **replicas)
+                                      curriculum=self.curriculum, weights=self.weights, **replicas)
         else:
             windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
                                     rich=self.rich, labels=self.labels["train"], curriculum=self.curriculum,
-                                    documents=self.train_documents, **replicas)
+                                    documents=self.train_documents, weights=self.weights, **replicas)
         if self.replay is not None:
             windows = Replayed(windows, self.replay, self.replay_fraction, self.block_size, self.batch_size,
                                self.seed, **replicas)
