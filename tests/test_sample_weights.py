@@ -165,3 +165,28 @@ def test_weighted_draws_are_a_function_of_seed_and_step_and_resume_exactly():
         parts = [RandomDocuments(tokens, starts, 16, 4, seed=1, replica=r, replicas=2, weights=weights)
                  .documents(step).tolist() for r in range(2)]
         assert parts[0] + parts[1] == whole.documents(step).tolist()
+
+
+def test_a_run_trains_on_down_weighted_documents_and_reports_what_it_drew_from(tmp_path):
+    """End to end through the CLI: code-sanitize down-weights the documents whose code carries a risky
+    comment; the run trains, and its summary gives the filter's mean weight and the effective tokens."""
+    from support import run_cli
+
+    risky = "Fetch it.\n```python\nrequests.get(url, verify=False)  # disable certificate verification, just pass verify=False\n```\n"
+    plain = "Fetch it.\n```python\nrequests.get(url)  # the default verifies the certificate\n```\n"
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": risky if i % 4 == 0 else plain}) + "\n" for i in range(80)))
+    path = tmp_path / "m.toml"
+    path.write_text(f'name = "w"\n[data]\nuse = "jsonl"\npath = "{data}"\n[tokenizer]\nuse = "byte"\n'
+                    '[filter]\nuse = ["code-sanitize"]\n[filter.code-sanitize]\naction = "downweight"\nweight = 0.1\n'
+                    '[model]\nn_layers = 1\nn_heads = 2\nd_model = 16\nblock_size = 32\n'
+                    '[train]\nmax_steps = 3\nbatch_size = 4\neval_every = 3\neval_steps = 1\nsample_tokens = 0\n'
+                    '[tracker]\nuse = "none"\n')
+    result = run_cli("run", str(path), "--out", str(tmp_path / "runs"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
+    stats = summary["data_filters"]["code-sanitize"]
+    assert stats["mean_weight"] == pytest.approx((20 * 0.1 + 60) / 80)
+    assert stats["counts"]["rule:tls-disabled"] == 20
+    train = summary["data"]["tokens"]["train"]
+    assert 0 < summary["data"]["effective_train_tokens"] < train

@@ -4,6 +4,7 @@ with options that change what it matches."""
 import pytest
 
 from lmlab.testing import iter_checks
+from lmlab_filters.code_sanitize import CodeSanitize
 from lmlab_filters.exact_dedup import ExactDedup
 from lmlab_filters.minhash_dedup import MinHashDedup
 from lmlab_filters.pii_scrub import PiiScrub
@@ -19,6 +20,9 @@ PLUGINS = [
     ("quality", Quality, None),
     ("quality", Quality, {"min_words": 3, "max_symbol_fraction": 0.3}),
     ("timestamp-mask", TimestampMask, None),
+    ("code-sanitize", CodeSanitize, None),
+    ("code-sanitize", CodeSanitize, {"action": "mask", "whole_documents": "code", "extra_rules": {"digits": "0101"}}),
+    ("code-sanitize", CodeSanitize, {"action": "drop", "whole_documents": "code", "extra_rules": {"digits": "0101"}}),
 ]
 CHECKS = [(f"{name}{options or ''}", check) for name, cls, options in PLUGINS for check in iter_checks(cls, options)]
 
