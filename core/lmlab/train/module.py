@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from lmlab.api import IGNORE_INDEX, UserError
+from lmlab.api import UserError
 from lmlab.compress.restore import KEY as COMPRESS_KEY
 from lmlab.compress.restore import records_of
 from lmlab.model import compute_loss
@@ -53,8 +53,6 @@ class LMModule(L.LightningModule):
         # others get the plain (B, T+1) tensors, with nothing added per step.
         self.make_batch = (None if objective is None else
                            objective.make_batch_from if objective.wants_windows() else objective.make_batch)
-        # Only objectives that may report figures (those overriding loss-side methods) are asked after each step.
-        self.objective_reports = objective is not None and hasattr(objective, "take_reports")
         self.optimizer_plugin = optimizer
         self.cfg = train_cfg  # lmlab.config.TrainOptions
         self.hooks = hooks
@@ -128,8 +126,7 @@ class LMModule(L.LightningModule):
         else:
             out = compute_loss(self.model, self.objective, batch, forward=self.train_forward,
                                exit_weight=self.exit_weight)
-        if self.objective_reports:
-            add_reports(self.train_reports, self.objective.take_reports())
+        add_reports(self.train_reports, self.objective.take_reports())
         if self._peft_loss is not None:
             extra = self._peft_loss(self.model)
             out = out._replace(total=out.total + extra, aux=extra if out.aux is None else out.aux + extra)
@@ -196,9 +193,8 @@ class LMModule(L.LightningModule):
         else:
             out = compute_loss(self.model, self.objective, batch)
             loss, exits = out.loss, out.exits
-        if self.objective_reports:
-            add_reports(self._val_reports, self.objective.take_reports())
-        n = batch.n_scored() if hasattr(batch, "n_scored") else (batch.targets != IGNORE_INDEX).sum()
+        add_reports(self._val_reports, self.objective.take_reports())
+        n = batch.n_scored()
         self._val_sum += loss.double() * n
         self._val_count += n
         if exits is not None:

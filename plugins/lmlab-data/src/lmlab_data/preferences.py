@@ -26,15 +26,14 @@ nothing, and the loss's margin is zero on it) stops the preparation naming the f
 record number (``bad_record = "fail"``), or is skipped and counted.
 """
 
-import json
 import os
-from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from pydantic import field_validator
 
-from lmlab.api import ChatTemplate, Field, Record, Segment, UserError
-from lmlab_data.files import READ_ERRORS, FileSource, FilesOptions, open_text, read_error
+from lmlab.api import ChatTemplate, Field, Record, Segment
+from lmlab_data.files import FilesOptions
+from lmlab_data.record_files import RecordFileSource
 
 #: field → the names a record may use for it, first found wins
 ALIASES = {"prompt": ("prompt", "question"),
@@ -63,52 +62,10 @@ class PreferencesOptions(FilesOptions):
         return value
 
 
-class Preferences(FileSource):
+class Preferences(RecordFileSource):
     Options = PreferencesOptions
     yields_records = True
     api = ">=1.10,<2"  # Segment.label: the mask tells chosen from rejected
-
-    def __init__(self, options: PreferencesOptions | None = None):
-        super().__init__(options)
-        self.records_skipped = self.files_skipped = 0
-
-    def documents(self) -> Iterator[Record]:
-        self.records_skipped = self.files_skipped = 0
-        o = self.options
-        for path in self.files():
-            try:
-                yield from self._file(path)
-            except READ_ERRORS as exc:
-                if o.bad_file == "fail":
-                    raise read_error(path, o.encoding, exc) from exc
-                self.files_skipped += 1
-
-    def _file(self, path: Path) -> Iterator[Record]:
-        with open_text(path, self.options.encoding) as f:
-            if path.name.endswith((".json", ".json.gz")):
-                try:
-                    records = json.load(f)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{exc.lineno}: not JSON ({exc.msg}, column {exc.colno})",
-                                    key="data.path") from exc
-                if not isinstance(records, list):
-                    raise UserError(f"{path}: a .json file must hold a list of records; use .jsonl for one record "
-                                    "per line", key="data.path")
-                for number, raw in enumerate(records, 1):
-                    if (record := self._record(raw, f"{path}: record {number}")) is not None:
-                        yield record
-                return
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    self._bad(where, f"not JSON ({exc.msg}, column {exc.colno})")
-                    continue
-                if (record := self._record(raw, where)) is not None:
-                    yield record
 
     def _record(self, raw: Any, where: str) -> Record | None:
         if not isinstance(raw, dict):
@@ -145,16 +102,6 @@ class Preferences(FileSource):
         return ChatTemplate(prompt=template.replace("{prompt}", "{instruction}\n{input}"),
                             prompt_no_input=template.replace("{prompt}", "{instruction}"),
                             stop=self.options.response_end or None)
-
-    def _bad(self, where: str, why: str) -> None:
-        if self.options.bad_record == "fail":
-            raise UserError(f"{where}: {why}; set bad_record = \"skip\" to skip such records", key="data.path")
-        self.records_skipped += 1
-        return None
-
-    def stats(self) -> dict[str, int]:
-        counts = {"records_skipped": self.records_skipped, "files_skipped": self.files_skipped}
-        return {k: v for k, v in counts.items() if v}
 
 
 def _kind(value: Any) -> str:

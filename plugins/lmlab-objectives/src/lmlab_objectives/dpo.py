@@ -35,8 +35,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from lmlab.api import Field, Objective, Options, TokenSplit, Vocabulary, Windows
-from lmlab_objectives.pairs import PairBatch, check_preference_data, masked_mean, sequence_logps, split_pairs
+from lmlab.api import Field, Options
+from lmlab_objectives.pairs import PairBatch, PairObjective, masked_mean, sequence_logps
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
@@ -61,27 +61,15 @@ class DPOOptions(Options):
     reference: Path | None = Field(None, help="the frozen reference run folder; unset: the [init] run")
 
 
-class DPO(Objective):
+class DPO(PairObjective):
     """``dpo``: the policy's and the frozen reference's log-probability ratios on (chosen, rejected)."""
 
     Options = DPOOptions
     api = ">=1.10,<2"  # forward_loss, needs_runs, prepare, report; Segment.label
-    sampling = "documents"
     needs_runs = ("reference",)
-
-    def setup(self, vocab: Vocabulary) -> None:
-        self.eos_id = vocab.eos_id
 
     def prepare(self, context) -> None:
         self.reference = context.runs["reference"].model
-
-    def token_labels(self, split: TokenSplit):
-        check_preference_data(split)
-        mask = split.loss_mask
-        return lambda positions: mask[positions]
-
-    def make_batch_from(self, windows: Windows) -> PairBatch:
-        return split_pairs(windows, self.eos_id)
 
     def forward_loss(self, model, batch: PairBatch) -> torch.Tensor:
         policy = sequence_logps(model(batch.input_ids), batch.targets)  # (2B,)

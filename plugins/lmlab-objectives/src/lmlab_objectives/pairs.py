@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lmlab.api import IGNORE_INDEX, Batch, UserError, Windows
+from lmlab.api import IGNORE_INDEX, Batch, Objective, TokenSplit, UserError, Vocabulary, Windows
 
 PROMPT, CHOSEN, REJECTED = 0, 1, 2
 
@@ -108,3 +108,21 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` (B,) over ``valid`` pairs; 0, with a gradient of 0, when there is none."""
     weights = valid.to(values.dtype)
     return (values * weights).sum() / weights.sum().clamp(min=1)
+
+
+class PairObjective(Objective):
+    """An objective of ranked pairs: one ``preferences`` record per row (padded documents), split here
+    into its chosen and rejected sequences; subclasses define ``forward_loss`` on the PairBatch."""
+
+    sampling = "documents"
+
+    def setup(self, vocab: Vocabulary) -> None:
+        self.eos_id = vocab.eos_id
+
+    def token_labels(self, split: TokenSplit):
+        check_preference_data(split)
+        mask = split.loss_mask
+        return lambda positions: mask[positions]
+
+    def make_batch_from(self, windows: Windows) -> PairBatch:
+        return split_pairs(windows, self.eos_id)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.api import Field, Objective, Options, TokenSplit, Vocabulary, Windows
-from lmlab_objectives.pairs import PairBatch, check_preference_data, masked_mean, split_pairs
+from lmlab.api import Field, Options
+from lmlab_objectives.pairs import PairBatch, PairObjective, masked_mean
 
 HEAD = "reward"
 
@@ -51,26 +51,14 @@ class RewardModelOptions(Options):
                                              "the rewards centred on 0 (the loss sees only their difference)")
 
 
-class RewardModel(Objective):
+class RewardModel(PairObjective):
     """``reward-model``: Bradley–Terry loss on (chosen, rejected) pairs through a scalar head."""
 
     Options = RewardModelOptions
     api = ">=1.10,<2"  # forward_loss, heads, report; Segment.label
-    sampling = "documents"
-
-    def setup(self, vocab: Vocabulary) -> None:
-        self.eos_id = vocab.eos_id
 
     def heads(self, shape):
         return {HEAD: RewardHead(shape.d_model)}
-
-    def token_labels(self, split: TokenSplit):
-        check_preference_data(split)
-        mask = split.loss_mask
-        return lambda positions: mask[positions]
-
-    def make_batch_from(self, windows: Windows) -> PairBatch:
-        return split_pairs(windows, self.eos_id)
 
     def forward_loss(self, model, batch: PairBatch) -> torch.Tensor:
         chosen, rejected = batch.halves(score(model, batch.input_ids, batch.last))
