@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmlab.api import DataOptions, DataSource, Field, Filter, Options, Record, Tokenizer, Tracker
+from lmlab.api import DataOptions, DataSource, Field, Filter, Options, Record, Table, Tokenizer, Tracker
 
 
 def kit():
@@ -378,10 +378,61 @@ class SetStateDedup(Dedup):
         return {"seen": self.seen}  # a set: not a JSON value, and prepare never pickles
 
 
+class WeighingDedup(Dedup):
+    """A repeat is kept with weight 0.5, and the report counts repeats: correct."""
+
+    name = "weighing-dedup"
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.repeats = 0
+
+    def admit(self, signature):
+        if super().admit(signature):
+            return 1.0
+        self.repeats += 1
+        return 0.5
+
+    def state_dict(self):
+        return {"seen": sorted(self.seen), "repeats": self.repeats}
+
+    def load_state_dict(self, state):
+        self.seen, self.repeats = set(state["seen"]), state["repeats"]
+
+    def report(self):
+        return [Table("repeats", ("documents", "repeats"), ((len(self.seen) + self.repeats, self.repeats),))]
+
+
+class WeightsForgotten(WeighingDedup):
+    name = "weights-forgotten"
+
+    def load_state_dict(self, state):
+        self.repeats = state["repeats"]  # the seen set is lost: repeats after a resume weigh 1.0, not 0.5
+
+
+class ReportOutsideState(WeighingDedup):
+    name = "report-outside-state"
+
+    def admit(self, signature):
+        self.admitted = getattr(self, "admitted", 0) + 1  # not in state_dict
+        return super().admit(signature)
+
+    def report(self):
+        return [Table("admitted", ("documents",), ((getattr(self, "admitted", 0),),))]
+
+
+class ReportNotTables(WeighingDedup):
+    name = "report-not-tables"
+
+    def report(self):
+        return {"repeats": self.repeats}
+
+
 def test_correct_filters_pass():
     kit().check_filter(Lowercase)
     kit().check_filter(Lowercase, {"min_chars": 40})
     kit().check_filter(Dedup)
+    kit().check_filter(WeighingDedup)
 
 
 @pytest.mark.parametrize("plugin, check, words", [
@@ -390,6 +441,9 @@ def test_correct_filters_pass():
     (ReturnsNone, "outputs", "returned a segment Segment(text=None"),
     (ForgetfulDedup, "state_dict", "load_state_dict does not restore what admit learnt"),
     (SetStateDedup, "state_dict", "holds a set"),
+    (WeightsForgotten, "state_dict", "weighs document"),
+    (ReportOutsideState, "state_dict", "reports other tables"),
+    (ReportNotTables, "report", "list of lmlab.api.Table"),
 ], ids=lambda value: getattr(value, "name", None))
 def test_a_broken_filter_fails_naming_the_problem(plugin, check, words):
     found = failures(plugin)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.position import Position, PositionModule
     from lmlab.api.runs import ObjectiveContext, TrainedRun
     from lmlab.api.shape import ModelShape
+    from lmlab.api.table import Table
     from lmlab.api.tokenizer import Tokenizer
     from lmlab.api.tracker import RunInfo, Tracker
     from lmlab.api.version import API_VERSION
@@ -113,6 +114,7 @@ _EXPORTS = {
     "ObjectiveContext": "lmlab.api.runs",
     "TrainedRun": "lmlab.api.runs",
     "ModelShape": "lmlab.api.shape",
+    "Table": "lmlab.api.table",
     "Tokenizer": "lmlab.api.tokenizer",
     "RunInfo": "lmlab.api.tracker",
     "Tracker": "lmlab.api.tracker",

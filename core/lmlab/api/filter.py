@@ -4,6 +4,7 @@ from typing import Any, ClassVar
 
 from lmlab.api.data import Document, Record, document_text
 from lmlab.api.plugin import Plugin
+from lmlab.api.table import Table
 
 
 class Filter(Plugin):
@@ -118,6 +119,15 @@ class Filter(Plugin):
         would have. Raise ``ValueError`` for a state that does not fit (the preparation then starts
         over). Called only when [state_dict][lmlab.api.filter.Filter.state_dict] returned a dict."""
         raise NotImplementedError(f"{type(self).__name__} returns a state_dict but cannot load one")
+
+    def report(self) -> list[Table]:
+        """Corpus-level filters: tables about the corpus as this filter saw and left it (API 1.12), such
+        as which associations down-weighting weakened. Called once in the main process, on the instance
+        that admitted every document, after the last one (so what it reports must be in its
+        [state_dict][lmlab.api.filter.Filter.state_dict] to survive a resumed preparation).
+        ``lmlab prepare`` prints each table under the filter's line, and ``summary.json``'s
+        ``data_filters.<name>.tables`` keeps them. Default: none."""
+        return []
 
     def count(self, what: str, n: int = 1) -> None:
         """Add ``n`` to the counter ``what`` of this filter's report; call it from the per-document

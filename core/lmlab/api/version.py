@@ -107,6 +107,9 @@ and raise the bound when the plugin starts to use a newer one.
      float from a corpus-level ``Filter.admit`` (keep with that weight); a document's weight is the
      product of its filters', stored beside the shards, and training draws windows or documents in
      proportion to it.
+
+1.12: ``Filter.report`` (a corpus-level filter's tables about the corpus it filtered, printed by
+     ``lmlab prepare`` and kept in ``summary.json``'s ``data_filters``) and ``Table``.
 """
 
-API_VERSION = "1.11"
+API_VERSION = "1.12"

@@ -3,11 +3,13 @@
 import sys
 import time
 
+from lmlab.api import Table
+
 
 def new_stats(name: str) -> dict:
     return {"name": name, "documents_in": 0, "documents_kept": 0, "documents_dropped": 0, "documents_changed": 0,
             "characters_in": 0, "characters_kept": 0, "characters_dropped": 0, "weight_sum": 0.0,
-            "characters_weighted": 0.0, "counts": {}}
+            "characters_weighted": 0.0, "counts": {}, "tables": []}
 
 
 def record(stats: dict, n_in: int, n_out: int, changed: bool, counts: dict | None, dropped: bool,
@@ -90,6 +92,9 @@ class Progress:
                            + (f", mean weight {s['mean_weight']:.3f} ({s['characters_weighted']:,.0f} characters "
                               "weighted)" if s.get("mean_weight", 1.0) < 1.0 else "")
                            + "".join(f", {k} {v:,}" for k, v in s["counts"].items()))
+                for table in s.get("tables", ()):
+                    for text in Table.from_dict(table).lines():
+                        self._line("    " + text)
             for what, n in index["source"].items():
                 self._line(f"  data: {what} {n:,}")
 

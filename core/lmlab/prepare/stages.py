@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from lmlab import pretrained
-from lmlab.api import Record, UserError
+from lmlab.api import Record, Table, UserError
 from lmlab.errors import warn
 from lmlab.prepare import checkpoint, shards, spool
 from lmlab.prepare.report import merged, new_stats, public, record
@@ -255,6 +255,8 @@ class Build:
                 self._assign(last, "val" if st["documents"]["val"] == 0 else None, close=False)
             self._close_part()
         st["source"] = self.source.stats()
+        for j, instance in self.admitting.items():
+            st["filters"][j]["tables"] = _tables(instance, self.filters[j].name)
         st["stage"] = "fit"
         self._checkpoint()
 
@@ -376,6 +378,14 @@ class Build:
         os.rename(self.partial, self.final)
         self.listener("done", {"index": index, "directory": str(self.final), "seconds": time.perf_counter() - self.started})
         return index
+
+
+def _tables(instance, name: str) -> list[dict]:
+    """A corpus-level filter's report (API 1.12), as JSON for the state and the index."""
+    report = instance.report()
+    if not isinstance(report, (list, tuple)) or not all(isinstance(t, Table) for t in report):
+        raise TypeError(f"filter {name!r}: report() returned {report!r}; it returns a list of lmlab.api.Table")
+    return [t.as_dict() for t in report]
 
 
 def _remove(path: Path) -> None:

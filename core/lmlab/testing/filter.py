@@ -204,6 +204,12 @@ def state_dict(subject: FilterSubject) -> None:
             fail(f"after loading the checkpoint of the first {half} documents, a fresh instance "
                  f"{'admits' if actual else 'drops'} document {i}, which the original "
                  f"{'admits' if expected else 'drops'}: load_state_dict does not restore what admit learnt")
+        if expected is not True and expected is not False and expected != actual:  # weights (API 1.11)
+            fail(f"after loading the checkpoint of the first {half} documents, a fresh instance weighs document "
+                 f"{i} {actual!r}, the original {expected!r}: load_state_dict does not restore what admit learnt")
+    if original.report() != resumed.report():
+        fail("after the same documents, the instance resumed from a checkpoint reports other tables than the "
+             "original: what report() shows must be in state_dict")
 
 
 def weights(subject: FilterSubject) -> None:
@@ -224,6 +230,28 @@ def weights(subject: FilterSubject) -> None:
              "must depend on the document and the options only")
 
 
+def report(subject: FilterSubject) -> None:
+    """``report`` (API 1.12) returns a list of ``lmlab.api.Table``, from a corpus-level filter that has
+    admitted the documents and from one that has seen none (a corpus the filters before it emptied),
+    and the tables survive JSON, as the index and summary.json keep them."""
+    from lmlab.api import Table
+
+    instance = subject.plugin()
+    fresh = instance.report()
+    if instance.corpus_level:
+        for sig in _outputs(subject.plugin(), subject.documents):
+            verdict = instance.admit(sig)
+            if not (verdict is True or verdict is False or verdict is None or (
+                    isinstance(verdict, (int, float)) and 0.0 <= verdict <= 1.0)):
+                fail(f"admit() returned {verdict!r}; it returns True, False or a weight in [0, 1]")
+    for tables in (fresh, instance.report()):
+        if not isinstance(tables, list) or not all(isinstance(t, Table) for t in tables):
+            fail(f"report() returned {_short(tables)}; it returns a list of lmlab.api.Table")
+        for t in tables:
+            if Table.from_dict(json.loads(json.dumps(t.as_dict()))) != t:
+                fail(f"the table {t.title!r} changes through JSON (its cells must be str, int, float or None)")
+
+
 #: name → check, in the order ``check_filter`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
@@ -232,4 +260,5 @@ CHECKS = {
     "worker_process": worker_process,
     "state_dict": state_dict,
     "weights": weights,
+    "report": report,
 }

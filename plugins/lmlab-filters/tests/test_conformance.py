@@ -4,6 +4,7 @@ with options that change what it matches."""
 import pytest
 
 from lmlab.testing import iter_checks
+from lmlab_filters.bias_score import BiasScore
 from lmlab_filters.code_sanitize import CodeSanitize
 from lmlab_filters.exact_dedup import ExactDedup
 from lmlab_filters.minhash_dedup import MinHashDedup
@@ -21,6 +22,8 @@ PLUGINS = [
     ("quality", Quality, {"min_words": 3, "max_symbol_fraction": 0.3}),
     ("timestamp-mask", TimestampMask, None),
     ("code-sanitize", CodeSanitize, None),
+    ("bias-score", BiasScore, None),
+    ("bias-score", BiasScore, {"window": 3, "min_count": 1, "threshold": 0.5, "curve": [(1.0, 0.5), (2.0, 0.0)]}),
     ("code-sanitize", CodeSanitize, {"action": "mask", "whole_documents": "code", "extra_rules": {"digits": "0101"}}),
     ("code-sanitize", CodeSanitize, {"action": "drop", "whole_documents": "code", "extra_rules": {"digits": "0101"}}),
 ]
