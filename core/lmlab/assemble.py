@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmlab.api import ModelShape, UserError, Vocabulary
-from lmlab.model import LanguageModel, build_model, shape_of
+from lmlab.model import LanguageModel, architecture, build_model, shape_of
 
 #: ``vocab_size`` of the shape ``lmlab check`` builds on the meta device when the tokenizer cannot say
 #: its own without being fitted on the data (a char vocabulary): checks that need the real one wait for
@@ -47,7 +47,7 @@ class Assembly:
 
     def build_model(self) -> LanguageModel:
         """A new model of the variant (fresh weights on the current default device)."""
-        return build_model(self.variant.model, self.shape, self.plugins)
+        return build_model(self.variant.model, self.shape, self.plugins, self.vocab.decoder_start_id)
 
 
 def assemble(variant, *, data: bool = False, run_dir: Path | None = None, model: bool = True,
@@ -149,16 +149,26 @@ def vocabulary(model, objective, tokenizer) -> tuple[ModelShape, Vocabulary]:
     if tokenizer is None:
         if not _vocabulary_from_tokenizer(model, objective):
             size = model.vocab_size
-            return model_shape(model, size), Vocabulary(size=size, tokenizer_size=size)
+            return model_shape(model, size), Vocabulary(size=size, tokenizer_size=size,
+                                                        decoder_start_id=decoder_start(model, objective, None))
         names = tuple(getattr(objective, "special_tokens", ()))
         shape = model_shape(model, None, len(names))
         special = {name: UNKNOWN_VOCABULARY + i for i, name in enumerate(names)}
-        return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=UNKNOWN_VOCABULARY, special=special)
+        return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=UNKNOWN_VOCABULARY, special=special,
+                                 decoder_start_id=decoder_start(model, objective, None))
     special = special_ids(objective, tokenizer)
     reserved = sum(1 for i in special.values() if i >= tokenizer.vocab_size)
     shape = model_shape(model, tokenizer.vocab_size, reserved)
     return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=tokenizer.vocab_size, special=special,
-                             eos_id=tokenizer.eos_id)
+                             eos_id=tokenizer.eos_id, decoder_start_id=decoder_start(model, objective, tokenizer.eos_id))
+
+
+def decoder_start(model, objective, eos_id: int | None) -> int | None:
+    """The id an encoder-decoder model's decoder starts from: ``model.decoder_start_id``, else the
+    end-of-document id (mBART's choice; T5 uses its padding id 0); None for other architectures."""
+    if architecture(model, objective) != "encoder-decoder":
+        return None
+    return model.decoder_start_id if model.decoder_start_id is not None else (eos_id if eos_id is not None else 0)
 
 
 def _vocabulary_from_tokenizer(model, objective) -> bool:

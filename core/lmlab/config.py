@@ -32,6 +32,18 @@ class ModelOptions(Options):
                  "output head), each below n_layers - 1; trained with train.exit_loss_weight, used by "
                  "decoding.exit_threshold")
 
+    architecture: Literal["decoder", "encoder", "encoder-decoder"] | None = Field(
+        None, help="decoder-only (GPT), encoder-only (BERT) or encoder-decoder (T5); default: the objective's first "
+                   "(causal-lm's decoder, mlm's encoder, span-corruption's encoder-decoder)")
+    encoder_layers: int | None = Field(
+        None, gt=0, le=10_000, help="encoder-decoder: blocks of the encoder (default: n_layers, which counts the "
+                                    "decoder's)")
+    share_embeddings: bool = Field(
+        True, help="encoder-decoder: one token embedding for the encoder and the decoder (T5, BART)")
+    decoder_start_id: int | None = Field(
+        None, ge=0, help="encoder-decoder: the id the decoder's input starts with (default: the tokenizer's "
+                         "end-of-document id; 0 for a T5 checkpoint)")
+
     @model_validator(mode="after")
     def _heads_divide_width(self):
         if self.d_model % self.n_heads:

@@ -73,8 +73,27 @@ def _length(tokenizer, text: str) -> int:
         return len(text.encode())
 
 
+class _EngineStepper:
+    """Stepper's start/step over the generation engine, for an encoder-decoder model: the prompt goes
+    through the encoder, and the decoder continues from its start id."""
+
+    def __init__(self, model, batch_size: int, max_len: int):
+        from lmlab.generation.engine import make_engine
+
+        self.engine = make_engine(model, batch_size, max_len)
+        self.rows: list[int] = []
+
+    def start(self, prompt: torch.Tensor) -> torch.Tensor:
+        self.rows, logits = self.engine.add(prompt.tolist())
+        return logits
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        return self.engine.step(self.rows, token[:, None])[:, -1]
+
+
 def _greedy(model, tokenizer, prompt: torch.Tensor, max_new: int, stop: str) -> list[str]:
-    stepper = Stepper(model, prompt.shape[0], prompt.shape[1] + max_new)
+    stepping = _EngineStepper if hasattr(model, "encode") else Stepper
+    stepper = stepping(model, prompt.shape[0], prompt.shape[1] + max_new)
     logits = stepper.start(prompt)
     out = []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)

@@ -4,6 +4,7 @@ Every plugin is asked for its module once, here, when the model is built; the fo
 calls modules, so swapping a plugin costs nothing per step.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -247,7 +248,7 @@ def compute_loss(model: LanguageModel, objective, batch, forward=None, exit_weig
         aux = model.aux_loss()
         return StepLoss(loss if aux is None else loss + aux, loss, aux, None)
     if getattr(model, "exit_heads", None) is None:
-        logits = run(batch.input_ids)
+        logits = run(batch.input_ids, **batch.model_inputs())
         loss = objective.loss(logits, batch)
         aux = model.aux_loss()
         return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)
@@ -267,16 +268,43 @@ def shape_of(model, vocab_size: int) -> ModelShape:
                       init_std=model.init_std)
 
 
-def build_model(model, shape: ModelShape, plugins: dict) -> LanguageModel:
+def architecture(model, objective) -> str:
+    """``model.architecture``, or the objective's default: "decoder", "encoder" or "encoder-decoder"
+    (a UserError when the objective does not train the one asked for)."""
+    trains = objective.trains() if objective is not None else ("decoder",)
+    chosen = model.architecture or trains[0]
+    if chosen not in trains:
+        raise UserError(f"objective {objective.name!r} trains {' or '.join(trains)} models, not {chosen}",
+                        key="model.architecture")
+    if chosen != "encoder-decoder":
+        for key in ("encoder_layers", "decoder_start_id"):
+            if getattr(model, key) is not None:
+                raise UserError(f"applies to encoder-decoder models; this one is a {chosen}", key=f"model.{key}")
+    return chosen
+
+
+def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int | None = None) -> LanguageModel:
     """The model ``model`` (``[model]``) describes, from the position, attention and ffn plugins; bidirectional
     when the objective is not causal, which needs an attention plugin that supports it
-    (``Attention.bidirectional``). A decoder with ``exit_threshold`` needs the model's exit heads."""
+    (``Attention.bidirectional``); an encoder-decoder needs its cross-attention too. A decoder with
+    ``exit_threshold`` needs the model's exit heads."""
     objective = plugins.get("objective")
-    causal = getattr(objective, "causal", True)
-    if not causal and not getattr(plugins["attention"], "bidirectional", False):
-        raise UserError(f"attention plugin {plugins['attention'].name!r} is causal only, and objective "
-                        f"{objective.name!r} needs bidirectional attention; use one that declares it "
-                        "(Attention.bidirectional; see `lmlab plugins attention`)", key="attention.use")
+    kind = architecture(model, objective)
+    attention = plugins["attention"]
+    if kind == "encoder-decoder" and not getattr(attention, "cross_attention", False):
+        raise UserError(f"attention plugin {attention.name!r} has no cross-attention, which an encoder-decoder "
+                        "model's decoder needs; use one that declares it (Attention.cross_attention: mha, gqa, "
+                        "mqa)", key="attention.use")
+    if kind != "decoder" and not getattr(attention, "bidirectional", False):
+        who = "an encoder-decoder model's encoder" if kind == "encoder-decoder" else f"objective {objective.name!r}"
+        raise UserError(f"attention plugin {attention.name!r} is causal only, and {who} needs bidirectional "
+                        "attention; use one that declares it (Attention.bidirectional; see `lmlab plugins "
+                        "attention`)", key="attention.use")
+    if kind == "encoder-decoder":
+        return _build_encoder_decoder(model, shape, plugins, objective, decoder_start_id)
+    causal = kind == "decoder"
+    if not causal:  # an encoder: position schemes that tell the two directions apart build for both
+        shape = dataclasses.replace(shape, causal=False)
     built = LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
                           ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
                           tie_embeddings=model.tie_embeddings, causal=causal,
@@ -290,3 +318,17 @@ def build_model(model, shape: ModelShape, plugins: dict) -> LanguageModel:
 
         check(decoder, built)
     return built
+
+
+def _build_encoder_decoder(model, shape: ModelShape, plugins: dict, objective, decoder_start_id: int | None):
+    from lmlab.encoder_decoder import EncoderDecoderModel
+
+    attention = plugins["attention"]
+    if model.exit_layers:
+        raise UserError("early exit is for decoder-only models; leave it empty", key="model.exit_layers")
+    return EncoderDecoderModel(shape, position=plugins["position"], attention=attention, ffn=plugins["ffn"],
+                               norm=model.norm, norm_eps=model.norm_eps, tie_embeddings=model.tie_embeddings,
+                               encoder_layers=model.encoder_layers, share_embeddings=model.share_embeddings,
+                               decoder_start_id=decoder_start_id if decoder_start_id is not None else
+                               (model.decoder_start_id or 0),
+                               heads=objective.heads(shape) if objective is not None else None)

@@ -22,8 +22,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from lmlab.api.attention import Attention, AttentionModule, MixerContext
-    from lmlab.api.batch import IGNORE_INDEX, Batch, Windows
+    from lmlab.api.attention import Attention, AttentionModule, CrossAttentionModule, MixerContext
+    from lmlab.api.batch import IGNORE_INDEX, Batch, Seq2SeqBatch, Windows
     from lmlab.api.check import CheckContext
     from lmlab.api.compress import Calibration, Compressor
     from lmlab.api.cache import InferenceCache, KVCache, LayerState
@@ -54,9 +54,11 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
 _EXPORTS = {
     "Attention": "lmlab.api.attention",
     "AttentionModule": "lmlab.api.attention",
+    "CrossAttentionModule": "lmlab.api.attention",
     "MixerContext": "lmlab.api.attention",
     "IGNORE_INDEX": "lmlab.api.batch",
     "Batch": "lmlab.api.batch",
+    "Seq2SeqBatch": "lmlab.api.batch",
     "Windows": "lmlab.api.batch",
     "CheckContext": "lmlab.api.check",
     "Calibration": "lmlab.api.compress",

@@ -49,6 +49,14 @@ class MixerContext:
     row, (B, T)), and every row has at least one key it may attend. The core builds it once per
     forward pass and only for modules whose [kv_layout][lmlab.api.attention.AttentionModule.kv_layout]
     is not None, with a position module that declares ``per_row``."""
+    memory: torch.Tensor | None = None
+    """The encoder's output (B, S, C), in the decoder of an encoder–decoder model (API 1.13): what a
+    cross-attention module ([Attention.build_cross][lmlab.api.attention.Attention.build_cross])
+    attends to. None elsewhere, and in decoding, where the core hands a cross-attention module its
+    keys and values, computed once per prompt, as its ``state``."""
+    memory_padding: torch.Tensor | None = None
+    """(B, S) bool, True on the encoder's padding positions, which no query may attend (API 1.13);
+    None: no padding."""
 
 
 class AttentionModule(nn.Module):
@@ -172,6 +180,24 @@ class AttentionModule(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} cannot prune heads")
 
 
+class CrossAttentionModule(AttentionModule):
+    """Attention from a decoder block's tokens to the encoder's output (API 1.13):
+    ``forward(x (B, T, C), ctx, state) → (B, T, C)``, queries from ``x``, keys and values from
+    ``ctx.memory`` (B, S, C), never attending where ``ctx.memory_padding`` is True. Every query sees
+    every unpadded encoder position, and nothing of the decoder: causality is the self-attention's
+    business. No position scheme applies (as in T5 and BART).
+
+    In decoding the core calls [memory_kv][lmlab.api.attention.CrossAttentionModule.memory_kv] once
+    per prompt, keeps its keys and values with the row, and passes the rows' ``(keys, values)`` as
+    ``state`` (``ctx.memory`` is then None); ``forward`` must attend over those instead of projecting
+    again.
+    """
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the encoder's output (B, S, C): two (B, n_kv_heads, S, head_dim) tensors."""
+        raise NotImplementedError
+
+
 class Attention(Plugin):
     """The token mixer of each block: [build][lmlab.api.attention.Attention.build] makes one
     [AttentionModule][lmlab.api.attention.AttentionModule] per layer, causal, and bidirectional too
@@ -183,6 +209,16 @@ class Attention(Plugin):
     bidirectional objective (``mlm``) is built only with a plugin that says True;
     ``lmlab.testing.check_attention`` then checks that every output really sees every input. A
     recurrent mixer stays False."""
+    cross_attention: ClassVar[bool] = False
+    """Whether [build_cross][lmlab.api.attention.Attention.build_cross] makes cross-attention modules
+    (API 1.13). An encoder–decoder model (``model.architecture = "encoder-decoder"``) is built only
+    with a plugin that says True (and ``bidirectional``, for its encoder)."""
+
+    def build_cross(self, shape: ModelShape, layer: int) -> CrossAttentionModule:
+        """Make the cross-attention of decoder block ``layer`` (API 1.13), when
+        [cross_attention][lmlab.api.attention.Attention.cross_attention] is True; called like
+        [build][lmlab.api.attention.Attention.build], with the decoder's shape."""
+        raise NotImplementedError(f"{type(self).__name__} has no cross-attention")
 
     def build(self, shape: ModelShape, layer: int) -> AttentionModule:
         """Make the mixer of block ``layer``.

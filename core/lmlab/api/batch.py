@@ -28,11 +28,39 @@ class Batch:
         """Input tokens in the batch (B · T)."""
         return self.input_ids.numel()
 
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """What the model's forward takes besides ``input_ids`` (API 1.13): nothing for a decoder-only
+        batch; an encoder–decoder batch's encoder tokens. The core calls
+        ``model(batch.input_ids, **batch.model_inputs())``, and so should an objective that runs the
+        model itself."""
+        return {}
+
     def n_scored(self) -> torch.Tensor:
         """What evaluation weights this batch's loss by, to get the loss of the whole split: the
         number of targets that are not [IGNORE_INDEX][lmlab.api.batch.IGNORE_INDEX] (a 0-dim tensor).
         A batch whose loss is a mean over something else (pairs, sequences) overrides it (API 1.10)."""
         return (self.targets != IGNORE_INDEX).sum()
+
+
+@dataclass
+class Seq2SeqBatch(Batch):
+    """A batch for an encoder–decoder model (API 1.13): the encoder reads ``encoder_ids``, the decoder
+    reads ``input_ids`` (the targets shifted right behind ``Vocabulary.decoder_start_id``) and is
+    scored against ``targets``."""
+
+    encoder_ids: torch.Tensor | None = None
+    """(B, S) int64 token ids the encoder reads."""
+    encoder_padding: torch.Tensor | None = None
+    """(B, S) bool, True where ``encoder_ids`` is padding (never attended); None: no padding."""
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens the model reads: the decoder's and the encoder's."""
+        return self.input_ids.numel() + self.encoder_ids.numel()
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """``encoder_ids`` and ``encoder_padding``, as the encoder–decoder model's forward takes them."""
+        return {"encoder_ids": self.encoder_ids, "encoder_padding": self.encoder_padding}
 
 
 def stream_seed(*key: int) -> int:

@@ -73,6 +73,10 @@ class Vocabulary:
     eos_id: int | None = None
     """The tokenizer's end-of-document id ([Tokenizer.eos_id][lmlab.api.tokenizer.Tokenizer.eos_id]),
     or None."""
+    decoder_start_id: int | None = None
+    """In an encoder–decoder model (API 1.13), the id the decoder's input starts with (``model.decoder_start_id``,
+    else ``eos_id``): an objective then makes [Seq2SeqBatch][lmlab.api.batch.Seq2SeqBatch]es. None
+    for a decoder-only or encoder-only model."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,17 @@ class Objective(Plugin):
     (API 1.4). Such a run has no closing sample, and ``lmlab generate`` refuses it."""
     special_tokens: ClassVar[tuple[str, ...]] = ()
     """Names of the special tokens the objective needs ids for, e.g. ``("mask",)`` (API 1.4)."""
+    architectures: ClassVar[tuple[str, ...] | None] = None
+    """The model architectures this objective trains (API 1.13), of ``"decoder"``, ``"encoder"``
+    and ``"encoder-decoder"``; ``model.architecture`` defaults to the first. None (the default):
+    ``("decoder",)`` when [causal][lmlab.api.objective.Objective.causal], else ``("encoder",)``.
+    For ``"encoder-decoder"`` the objective makes [Seq2SeqBatch][lmlab.api.batch.Seq2SeqBatch]es
+    whenever ``Vocabulary.decoder_start_id`` is set."""
+
+    @classmethod
+    def trains(cls) -> tuple[str, ...]:
+        """The architectures this objective trains, its default first (read once by the core)."""
+        return cls.architectures or (("decoder",) if cls.causal else ("encoder",))
     sampling: Literal["windows", "documents"] = "windows"
     """``"windows"``: rows are windows of block_size + 1 consecutive tokens at random (training) or
     fixed (validation) offsets; ``"documents"``: one document per row, truncated and padded, which
@@ -266,7 +281,7 @@ class Objective(Plugin):
         Returns:
             A 0-dim floating-point tensor: the loss to minimise and report.
         """
-        return self.loss(model(batch.input_ids), batch)
+        return self.loss(model(batch.input_ids, **batch.model_inputs()), batch)
 
     @classmethod
     def runs_model(cls) -> bool:

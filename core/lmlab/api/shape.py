@@ -32,6 +32,11 @@ class ModelShape:
     """Whether linear layers and LayerNorms have biases (``model.bias``)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation (``model.init_std``)."""
+    causal: bool = True
+    """False for a stack whose mixers see both sides (API 1.13): the encoder of an encoder–decoder
+    model, or a model built for a bidirectional objective. A position scheme that treats the two
+    directions differently (T5's relative buckets) builds for it; the blocks of such a stack get
+    ``MixerContext.causal`` False."""
 
     @property
     def head_dim(self) -> int:

@@ -110,6 +110,13 @@ and raise the bound when the plugin starts to use a newer one.
 
 1.12: ``Filter.report`` (a corpus-level filter's tables about the corpus it filtered, printed by
      ``lmlab prepare`` and kept in ``summary.json``'s ``data_filters``) and ``Table``.
+
+1.13: Encoder–decoder models: ``Attention.cross_attention`` and ``Attention.build_cross`` (a
+     ``CrossAttentionModule`` attending from decoder tokens to ``MixerContext.memory``, honouring
+     ``MixerContext.memory_padding``; ``memory_kv`` for decoding), ``ModelShape.causal`` (False for an
+     encoder stack), ``Objective.architectures`` (which of decoder, encoder, encoder-decoder an objective
+     trains), ``Vocabulary.decoder_start_id``, ``Seq2SeqBatch`` (encoder tokens beside the decoder's) and
+     ``Batch.model_inputs`` (what the model's forward takes besides ``input_ids``).
 """
 
-API_VERSION = "1.12"
+API_VERSION = "1.13"

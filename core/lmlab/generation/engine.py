@@ -32,6 +32,14 @@ def make_engine(model, rows: int, max_len: int, cache: str = "contiguous", block
     """The engine for ``model``: :class:`Engine` when its plugins support shared caches, else :class:`RowEngine`."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+    if hasattr(model, "encode"):  # an encoder-decoder model
+        from lmlab.generation.seq2seq import Seq2SeqEngine
+
+        if not supports_rows(model):
+            raise ValueError("an encoder-decoder model decodes through the shared key/value cache, which its "
+                             "attention and position plugins must support (kv_layout, per_row)")
+        return Seq2SeqEngine(model, rows, max_len, cache=cache,
+                             block_size=block_size, n_blocks=n_blocks, cuda_graph=cuda_graph, compile=compile)
     if supports_rows(model):
         return Engine(model, rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks,
                       cuda_graph=cuda_graph, compile=compile)

@@ -250,6 +250,65 @@ def ragged_decoding(subject: AttentionSubject) -> None:
 
 
 #: name → check, in the order ``check_attention`` runs them.
+def cross_attention(subject: AttentionSubject) -> None:
+    """For a plugin that declares ``Attention.cross_attention`` (API 1.13): ``build_cross`` makes a
+    ``CrossAttentionModule`` mapping (B, T, C) to (B, T, C) over a memory (B, S, C); every output sees
+    every memory position and no other query's token; padded memory positions change nothing (the
+    output equals the one over the memory without them); and the decoding path, ``memory_kv`` once and
+    then ``state``, gives the direct path's outputs."""
+    from lmlab.api import CrossAttentionModule
+
+    declared = getattr(subject.cls, "cross_attention", False)
+    if not isinstance(declared, bool):
+        fail(f"Attention.cross_attention must be a bool, got {declared!r}")
+    if not declared:
+        return
+    plugin = subject.plugin()
+    torch.manual_seed(subject.seed)
+    module = plugin.build_cross(subject.shape, 0).to(subject.device).eval()
+    if not isinstance(module, CrossAttentionModule):
+        fail(f"build_cross returned a {type(module).__name__}, not an lmlab.api.CrossAttentionModule")
+    x, _ = subject.example(subject.seed + 1)
+    B, T, C = x.shape
+    S = 7
+    memory = subject.randn(B, S, C, seed=subject.seed + 2)
+    none = PositionModule().to(subject.device)
+
+    def run(x, memory, padding=None, state=None):
+        ctx = MixerContext(position=none, positions=torch.arange(T, device=subject.device),
+                           memory=None if state is not None else memory, memory_padding=padding)
+        with torch.no_grad():
+            return module(x, ctx, state)
+
+    y = run(x, memory)
+    expect_tensor(y, x.shape, torch.float32, "the output of a cross-attention module")
+    for s in (0, S // 2, S - 1):
+        changed = memory.clone()
+        changed[:, s] = subject.randn(B, C, seed=subject.seed + 20 + s)
+        moved = (run(x, changed) - y).abs().amax(dim=(0, 2))  # (T,)
+        if (moved <= DEPENDENT * scale(y)).any():
+            fail(f"changing memory position {s} left some outputs unchanged: every query must see every "
+                 "unpadded encoder position")
+    changed = x.clone()
+    changed[:, T // 2] = subject.randn(B, C, seed=subject.seed + 30)
+    keep = [t for t in range(T) if t != T // 2]
+    expect_close(run(changed, memory)[:, keep], y[:, keep], INDEPENDENT,
+                 "changing one decoder token changed the cross-attention output at other positions")
+    padding = torch.zeros(B, S, dtype=torch.bool, device=subject.device)
+    padding[:, 4:] = True
+    garbage = memory.clone()
+    garbage[:, 4:] = subject.randn(B, S - 4, C, seed=subject.seed + 40)
+    padded = run(x, memory, padding)
+    expect_close(run(x, garbage, padding), padded, SAME, "padded memory positions (memory_padding True) changed "
+                 "the output")
+    expect_close(padded, run(x, memory[:, :4]), INDEPENDENT, "the output over padded memory differs from the one "
+                 "over the memory without its padding")
+    with torch.no_grad():
+        state = module.memory_kv(memory)
+    expect_close(run(x, None, padding, state=state), padded, INDEPENDENT,
+                 "attending over memory_kv's keys and values (the decoding path) differs from the direct path")
+
+
 CHECKS = {
     "plugin_class": generic.plugin_class,
     "output_fp32": output_fp32,
@@ -259,6 +318,7 @@ CHECKS = {
     "incremental_decoding": incremental_decoding,
     "cache_reorder": cache_reorder,
     "ragged_decoding": ragged_decoding,
+    "cross_attention": cross_attention,
     "gradients": generic.gradients,
     "determinism": generic.determinism,
     "state_dict": generic.state_dict,

@@ -1,4 +1,4 @@
-"""The sinusoidal, alibi and none plugins pass lmlab's conformance kit for the position slot."""
+"""The sinusoidal, alibi, t5 and none plugins pass lmlab's conformance kit for the position slot."""
 
 import pytest
 
@@ -6,8 +6,9 @@ from lmlab.testing import iter_checks
 from lmlab_position.alibi import ALiBiPosition
 from lmlab_position.none import NoPosition
 from lmlab_position.sinusoidal import SinusoidalPosition
+from lmlab_position.t5_bias import T5RelativePosition
 
-PLUGINS = {"sinusoidal": SinusoidalPosition, "alibi": ALiBiPosition, "none": NoPosition}
+PLUGINS = {"sinusoidal": SinusoidalPosition, "alibi": ALiBiPosition, "t5": T5RelativePosition, "none": NoPosition}
 CHECKS = [(name, check) for name, plugin in PLUGINS.items() for check in iter_checks(plugin)]
 
 

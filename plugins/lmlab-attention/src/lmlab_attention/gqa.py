@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.api import Attention, AttentionModule, Field, KVCache, MixerContext, ModelShape, Options, UserError
+from lmlab.api import (Attention, AttentionModule, CrossAttentionModule, Field, KVCache, MixerContext, ModelShape,
+                       Options, UserError)
 
 
 class SelfAttention(AttentionModule):
@@ -179,6 +180,48 @@ class SelfAttention(AttentionModule):
                 nn.init.zeros_(linear.bias)
 
 
+class CrossAttention(CrossAttentionModule):
+    """Queries from the decoder's tokens, keys and values from the encoder's output, with ``n_kv_heads``
+    key/value heads: every query sees every unpadded encoder position (no mask beyond the padding,
+    no position scheme, as in T5 and BART). Its projections have the self-attention's names, so PEFT
+    roles and a converter's weight map treat both alike."""
+
+    def __init__(self, shape: ModelShape, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
+        inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
+        self.k_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
+        self.v_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
+        self.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
+        self.dropout = shape.dropout
+        self.reset_parameters(shape)
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, _ = memory.shape
+        k = self.k_proj(memory).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hs)
+        v = self.v_proj(memory).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def forward(self, x: torch.Tensor, ctx: MixerContext, state=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, hs = self.n_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, hs).transpose(1, 2)                  # (B, H, T, hs)
+        k, v = self.memory_kv(ctx.memory) if state is None else state          # (B, Hkv, S, hs)
+        mask = None
+        if ctx.memory_padding is not None:
+            mask = ~ctx.memory_padding[:, None, None, :]                        # (B, 1, 1, S): True = attend
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=True)                    # (B, H, T, hs)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hs))
+
+    def peft_roles(self) -> dict[str, str]:
+        return {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}
+
+    def reset_parameters(self, shape: ModelShape) -> None:
+        SelfAttention.reset_parameters(self, shape)
+
+
 def _head_rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
     """The feature indices of ``heads``, each ``head_dim`` wide: rows of a projection into heads."""
     heads = torch.tensor(heads, device=device)
@@ -210,8 +253,9 @@ class GroupedQueryAttention(Attention):
     """``gqa``: ``n_kv_heads`` key/value heads shared by groups of query heads (Ainslie et al. 2023)."""
 
     Options = GroupedQueryAttentionOptions
-    api = ">=1.9,<2"  # head_groups, prune_heads; kv_layout, MixerContext.key_mask (1.8); MixerContext.causal (1.4)
+    api = ">=1.13,<2"  # build_cross; head_groups, prune_heads (1.9); kv_layout, key_mask (1.8); causal (1.4)
     bidirectional = True
+    cross_attention = True
 
     def kv_heads(self, shape: ModelShape) -> int:
         n_kv_heads = self.options.n_kv_heads or shape.n_heads
@@ -221,9 +265,15 @@ class GroupedQueryAttention(Attention):
         return n_kv_heads
 
     def build(self, shape: ModelShape, layer: int) -> SelfAttention:
+        return SelfAttention(shape, self._checked_kv_heads(shape))
+
+    def build_cross(self, shape: ModelShape, layer: int) -> CrossAttention:
+        return CrossAttention(shape, self._checked_kv_heads(shape))
+
+    def _checked_kv_heads(self, shape: ModelShape) -> int:
         if shape.d_model % shape.n_heads:
             raise UserError(f"must divide model.d_model = {shape.d_model}; got {shape.n_heads}", key="model.n_heads")
-        return SelfAttention(shape, self.kv_heads(shape))
+        return self.kv_heads(shape)
 
 
 class MultiHeadAttention(GroupedQueryAttention):

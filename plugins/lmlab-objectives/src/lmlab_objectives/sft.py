@@ -26,11 +26,17 @@ Two ways to fill a batch (``packing``):
 
 The loss is the mean cross-entropy over scored targets (0 for a batch with none), in float32, with
 ``causal-lm``'s optional z-loss.
+
+On an encoder–decoder model (``model.architecture = "encoder-decoder"``, API 1.13) the prompt goes into
+the encoder and the decoder produces the response: each record's unscored tokens, left-aligned and
+padded, become the encoder's input, and its scored tokens (the response and its end-of-document
+token) the decoder's targets, read behind the model's decoder start id (T5's fine-tuning). Such runs
+take one record per row (``packing = false``).
 """
 
 import torch
 
-from lmlab.api import IGNORE_INDEX, Batch, Field, TokenSplit, UserError, Windows
+from lmlab.api import IGNORE_INDEX, Batch, Field, Seq2SeqBatch, TokenSplit, UserError, Vocabulary, Windows
 from lmlab_objectives.causal_lm import CausalLM, CausalLMOptions, cross_entropy
 
 
@@ -43,11 +49,19 @@ class SFT(CausalLM):
     """``sft``: next-token loss on the response tokens of prompt/response records only."""
 
     Options = SFTOptions
-    api = ">=1.6,<2"  # check, yields_records; token_labels, make_batch_from, sampling (1.4)
+    api = ">=1.13,<2"  # architectures, decoder_start_id; check, yields_records (1.6); make_batch_from (1.4)
+    architectures = ("decoder", "encoder-decoder")
 
     def __init__(self, options: SFTOptions | None = None):
         super().__init__(options)
         self.sampling = "windows" if self.options.packing else "documents"
+        self.decoder_start_id: int | None = None
+
+    def setup(self, vocab: Vocabulary) -> None:
+        self.decoder_start_id = vocab.decoder_start_id
+        if self.decoder_start_id is not None and self.options.packing:
+            raise UserError("an encoder-decoder model reads one record per row (its prompt in the encoder); set it "
+                            "false", key="objective.packing")
 
     def check(self, context) -> None:
         """Before the data is read (API 1.6): a data source that says it yields plain text leaves
@@ -67,11 +81,36 @@ class SFT(CausalLM):
         return lambda positions: mask[positions]
 
     def make_batch_from(self, windows: Windows) -> Batch:
+        if self.decoder_start_id is not None:
+            return self._seq2seq(windows)
         tokens = windows.tokens                                   # (B, T+1)
         scored = windows.labels[:, 1:].bool()                     # (B, T): target t is token t + 1
         if windows.padding is not None:
             scored &= ~windows.padding[:, 1:]
         return Batch(tokens[:, :-1], tokens[:, 1:].masked_fill(~scored, IGNORE_INDEX))
 
+    def _seq2seq(self, windows: Windows) -> Seq2SeqBatch:
+        tokens, real = windows.tokens, torch.ones_like(windows.tokens, dtype=torch.bool)
+        if windows.padding is not None:
+            real = ~windows.padding
+        response = windows.labels.bool() & real
+        # Each side reads at most block_size tokens: a row holds block_size + 1.
+        width = tokens.shape[1] - 1
+        prompt, prompt_padding = _left_aligned(tokens, real & ~response, width)
+        answer, answer_padding = _left_aligned(tokens, response, width)
+        start = torch.full_like(answer[:, :1], self.decoder_start_id)
+        return Seq2SeqBatch(torch.cat([start, answer[:, :-1]], dim=1), answer.masked_fill(answer_padding, IGNORE_INDEX),
+                            encoder_ids=prompt, encoder_padding=prompt_padding)
+
     def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return cross_entropy(logits, batch.targets, self.options.z_loss)
+
+
+def _left_aligned(tokens: torch.Tensor, keep: torch.Tensor, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's kept tokens moved to its front, in order, as (B, W) ids (0 past them) and the padding
+    mask; W is the longest row's count, at least 1 and at most ``most`` (longer rows lose their end)."""
+    counts = keep.sum(1).clamp(max=most)
+    width = max(int(counts.max()), 1)
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]  # kept positions first
+    padding = torch.arange(width, device=tokens.device)[None, :] >= counts[:, None]
+    return tokens.gather(1, order).masked_fill(padding, 0), padding

@@ -1,0 +1,209 @@
+"""The encoder–decoder model: a causal decoder, a bidirectional encoder, cross-attention that sees the
+whole (unpadded) encoder output and nothing of the decoder's future, cached generation equal to the
+full forward pass for every decoding plugin, and the manifest's refusals."""
+
+import pytest
+import torch
+
+from lmlab import discovery
+from lmlab.api import ModelShape
+from lmlab.encoder_decoder import EncoderDecoderModel
+from lmlab.generation.engine import make_engine
+from lmlab.testing.runs import main
+
+SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=24, vocab_size=37)
+
+
+def build(attention="mha", position="learned", ffn="mlp", seed=0, **kwargs) -> EncoderDecoderModel:
+    torch.manual_seed(seed)
+    plugins = {slot: discovery.load(slot, name)() for slot, name in
+               (("attention", attention), ("position", position), ("ffn", ffn))}
+    return EncoderDecoderModel(SHAPE, encoder_layers=3, decoder_start_id=1, **plugins, **kwargs).eval()
+
+
+@pytest.fixture(params=[("mha", "learned"), ("gqa", "rope"), ("mqa", "alibi")], ids=lambda p: "-".join(p))
+def model(request):
+    return build(*request.param)
+
+
+def test_decoder_outputs_before_t_ignore_decoder_tokens_after_t(model):
+    enc = torch.randint(0, 37, (2, 11))
+    dec = torch.randint(0, 37, (2, 16))
+    changed = dec.clone()
+    changed[:, 9:] = (changed[:, 9:] + 1) % 37
+    with torch.no_grad():
+        a, b = model(dec, encoder_ids=enc), model(changed, encoder_ids=enc)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=1e-6)
+    assert (a[:, 9:] - b[:, 9:]).abs().amax() > 1e-3
+
+
+def test_encoder_is_bidirectional(model):
+    enc = torch.randint(0, 37, (2, 11))
+    for where in (0, 5, 10):
+        changed = enc.clone()
+        changed[:, where] = (changed[:, where] + 1) % 37
+        with torch.no_grad():
+            a, b = model.encode(enc), model.encode(changed)
+        moved = (a - b).abs().amax(dim=-1)  # (B, S): which outputs the change reached
+        assert (moved > 1e-4).all(), f"a change at {where} did not reach every encoder output: {moved}"
+
+
+def test_cross_attention_sees_every_encoder_position_from_the_first_decoder_token(model):
+    enc = torch.randint(0, 37, (2, 11))
+    dec = torch.randint(0, 37, (2, 4))
+    with torch.no_grad():
+        base = model(dec, encoder_ids=enc)
+        for where in (0, 5, 10):
+            changed = enc.clone()
+            changed[:, where] = (changed[:, where] + 1) % 37
+            assert (model(dec, encoder_ids=changed)[:, 0] - base[:, 0]).abs().amax() > 1e-4
+
+
+def test_encoder_padding_is_never_attended(model):
+    enc = torch.randint(0, 37, (2, 11))
+    padding = torch.zeros(2, 11, dtype=torch.bool)
+    padding[1, 7:] = True  # row 1 holds 7 tokens
+    garbage = enc.clone()
+    garbage[1, 7:] = (garbage[1, 7:] + 5) % 37
+    dec = torch.randint(0, 37, (2, 6))
+    with torch.no_grad():
+        a = model(dec, encoder_ids=enc, encoder_padding=padding)
+        b = model(dec, encoder_ids=garbage, encoder_padding=padding)
+        alone = model(dec[1:], encoder_ids=enc[1:, :7])  # the same row, unpadded
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a[1:], alone, rtol=1e-5, atol=1e-5)
+
+
+def full_forward_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    dec = torch.tensor([[model.decoder_start_id] + continuation])
+    with torch.no_grad():
+        return model(dec, encoder_ids=torch.tensor([prompt]))[0]
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_cached_generation_equals_the_full_forward_for_prompts_of_different_lengths(model, cache):
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15]]
+    engine = make_engine(model, 4, 12, cache=cache, block_size=4)
+    with torch.no_grad():
+        rows, first = engine.add(prompts)
+        fed = [[], [], []]
+        logits = [first]
+        for step in range(5):
+            tokens = torch.tensor([[(7 * i + step) % 37] for i in range(3)])
+            for i in range(3):
+                fed[i].append(int(tokens[i, 0]))
+            logits.append(engine.step(rows, tokens)[:, -1])
+    for i, prompt in enumerate(prompts):
+        reference = full_forward_logits(model, prompt, fed[i])
+        for t, got in enumerate(logits):
+            torch.testing.assert_close(got[i], reference[t], rtol=1e-4, atol=1e-5)
+
+
+def test_forked_rows_carry_their_encoder_keys(model):
+    engine = make_engine(model, 4, 10)
+    with torch.no_grad():
+        rows, _ = engine.add([[3, 4, 5], [6, 7, 8, 9, 10]])
+        (twin,) = engine.fork([rows[1]])
+        out = engine.step([twin, rows[0]], torch.tensor([[2], [2]]))[:, -1]
+    torch.testing.assert_close(out[0], full_forward_logits(model, [6, 7, 8, 9, 10], [2])[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1], full_forward_logits(model, [3, 4, 5], [2])[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_every_decoder_matches_a_loop_of_full_forwards(decoder):
+    from lmlab.generation.batch import generate_ids
+
+    model = build("mha", "rope", seed=3)
+    plugin = discovery.load("decoding", decoder)()
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    made = generate_ids(plugin, model, prompts, 6)
+    if decoder == "greedy":
+        for prompt, got in zip(prompts, made):
+            cont: list[int] = []
+            for _ in range(6):
+                cont.append(int(full_forward_logits(model, prompt, cont)[-1].argmax()))
+            assert got == cont
+    else:  # beam: the chosen continuation scores at least as well as greedy's under the full forward
+        for prompt, got in zip(prompts, made):
+            def score(cont):
+                logp = torch.log_softmax(full_forward_logits(model, prompt, cont[:-1]), -1)
+                return sum(float(logp[t, tok]) for t, tok in enumerate(cont))
+            greedy: list[int] = []
+            for _ in range(6):
+                greedy.append(int(full_forward_logits(model, prompt, greedy)[-1].argmax()))
+            assert len(got) == 6 and score(got) >= score(greedy) - 1e-4
+
+
+def test_sampling_runs_and_greedy_speculative_decoding_equals_greedy():
+    from lmlab.generation.batch import generate_ids, run_decoder
+    from lmlab.generation.outputs import Outputs
+
+    model = build("gqa", "learned", seed=4)
+    gen = torch.Generator().manual_seed(0)
+    made = generate_ids(discovery.load("decoding", "sample")(), model, [[3, 4, 5], [6]], 5, generator=gen)
+    assert [len(m) for m in made] == [5, 5] and all(0 <= t < 37 for m in made for t in m)
+    spec = discovery.load("decoding", "speculative")
+    decoder = spec(spec.Options(draft="a run folder", k=3))
+    decoder.prepare(model, {"draft": build("gqa", "learned", seed=5)})  # a different model as the draft
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    outputs = Outputs(None, [8, 8], eos_id=None)
+    with torch.no_grad():
+        for _ in run_decoder(decoder, make_engine(model, 2, 20), prompts, outputs):
+            pass
+    greedy = generate_ids(discovery.load("decoding", "greedy")(), model, prompts, 8)
+    assert [list(c.tokens) for c in outputs.completions] == greedy
+    assert decoder.stats["proposed"] > 0
+
+
+# -- from a manifest ----------------------------------------------------------------------------------
+
+ED = 'architecture = "encoder-decoder"'
+
+
+def manifest(tmp_path, model: str = ED, objective: str = 'use = "sft"', attention: str = "mha") -> str:
+    (tmp_path / "r.jsonl").write_text("".join(
+        f'{{"instruction": "Say {w} twice", "output": "{w} {w}"}}\n' for w in
+        ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")))
+    path = tmp_path / "m.toml"
+    path.write_text(f'name = "ed"\n\n[data]\nuse = "alpaca"\npath = "r.jsonl"\nval_fraction = 0.2\n\n'
+                    f'[tokenizer]\nuse = "char"\n\n[model]\nn_layers = 1\n'
+                    f'd_model = 32\nn_heads = 2\nblock_size = 32\n{model}\n\n[attention]\nuse = "{attention}"\n\n'
+                    f'[objective]\n{objective}\n\n[train]\nmax_steps = 4\nbatch_size = 4\neval_every = 4\n'
+                    f'eval_steps = 1\nsample_tokens = 0\n\n[tracker]\nuse = "none"\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("model, objective, attention, key, says", [
+    (ED, 'use = "sft"', "mamba", "attention.use", "has no cross-attention"),
+    (ED, 'use = "causal-lm"', "mha", "model.architecture", "trains decoder models, not encoder-decoder"),
+    ('architecture = "decoder"\nencoder_layers = 2', 'use = "sft"', "mha", "model.encoder_layers",
+     "applies to encoder-decoder models"),
+    (ED, 'use = "sft"\npacking = true', "mha", "objective.packing", "one record per row"),
+], ids=["no-cross-attention", "objective-architecture", "encoder-layers-on-a-decoder", "packing"])
+def test_bad_manifests_are_refused_by_check_naming_the_key(tmp_path, monkeypatch, capsys, model, objective,
+                                                          attention, key, says):
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
+    assert main(["check", manifest(tmp_path, model, objective, attention)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lmlab: error: {key}: ") and says in err and err.count("\n") == 1, err
+
+
+def test_sft_trains_an_encoder_decoder_run_that_generates(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["run", manifest(tmp_path), "--out", str(tmp_path / "runs")]) == 0
+    run = tmp_path / "runs" / "default"
+    assert (run / "summary.json").exists()
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "Say one twice\n", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_a_wholly_padded_encoder_row_gives_finite_outputs():
+    model = build()
+    enc = torch.randint(0, 37, (2, 5))
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[0] = True  # a record with an empty prompt
+    with torch.no_grad():
+        out = model(torch.randint(0, 37, (2, 3)), encoder_ids=enc, encoder_padding=padding)
+    assert torch.isfinite(out).all()
