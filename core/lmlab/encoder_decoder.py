@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.api import MixerContext, ModelShape
+from lmlab.block import Block, num_params, param_infos
+from lmlab.config import CHECKPOINTING
 from lmlab.errors import UserError
-from lmlab.model import Block, LanguageModel
 from lmlab.norms import build_norm
 
 
@@ -118,8 +119,10 @@ class EncoderDecoderModel(nn.Module):
                 norm.reset_parameters()
 
     def set_checkpointing(self, policy: str) -> None:
-        LanguageModel.set_checkpointing(self, policy)
-        for block in self.enc_blocks:
+        """Activation checkpointing for every block of both stacks: one of CHECKPOINTING."""
+        if policy not in CHECKPOINTING:
+            raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {policy!r}")
+        for block in (*self.enc_blocks, *self.blocks):
             block.checkpointing = policy
 
     @property
@@ -192,8 +195,11 @@ class EncoderDecoderModel(nn.Module):
         raise ValueError("an encoder-decoder model decodes through the generation engine "
                          "(lmlab.generation.seq2seq), which runs the encoder once per prompt")
 
-    param_infos = LanguageModel.param_infos
-    num_params = LanguageModel.num_params
+    def param_infos(self):
+        return param_infos(self)
+
+    def num_params(self, trainable_only: bool = False) -> int:
+        return num_params(self, trainable_only)
 
 
 def _at_least_one_key(padding: torch.Tensor | None) -> torch.Tensor | None:

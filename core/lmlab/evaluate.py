@@ -19,6 +19,7 @@ import torch
 
 from lmlab.api import Record, UserError
 from lmlab.api.decoding import Stepper
+from lmlab.generation.outputs import text_of
 
 MARGIN = 8  # tokens past the longest reference, so an over-long answer shows as one
 
@@ -116,7 +117,7 @@ def _greedy(model, tokenizer, prompt: torch.Tensor, max_new: int, stop: str) -> 
     for ids in generated:
         if tokenizer.eos_id is not None and tokenizer.eos_id in ids:
             ids = ids[:ids.index(tokenizer.eos_id)]
-        text = tokenizer.decode(ids)
+        text = text_of(tokenizer, ids)
         texts.append(text.split(stop, 1)[0] if stop else text)
     return texts
 

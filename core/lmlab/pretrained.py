@@ -12,7 +12,10 @@ trains them further on its own data with a fresh optimizer. An init is one of
 - a local Hugging Face Llama-family folder (``config.json``, ``model.safetensors`` or a sharded
   ``model.safetensors.index.json``, ``tokenizer.json``), as ``save_pretrained`` writes it: the tables
   of :func:`lmlab.interop.llama.manifest_tables`, the ``hf`` tokenizer over its ``tokenizer.json``, and
-  the weights renamed by :func:`lmlab.interop.llama.state_dict_from_hf`.
+  the weights renamed by :func:`lmlab.interop.llama.state_dict_from_hf`;
+- a local Hugging Face T5 folder (the same files): an encoder–decoder model, read by
+  :mod:`lmlab.interop.t5` in the same way. Which of the two a folder is, config.json's
+  ``model_type`` says (``"llama"``, ``"t5"``; any other is refused).
 
 Three moments of a run use it. **Validation** (:func:`merge_tables`, so ``lmlab check`` shows it): the
 init's tables replace the manifest's; a value the manifest sets itself must agree with the init's, or
@@ -45,6 +48,9 @@ GOVERNED = ("model", "position", "attention", "ffn", "tokenizer")
 #: [model] keys a fine-tune may set to another value than the init's: no weight depends on them.
 FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std", "exit_layers"})
 RUN, HUGGING_FACE = "lmlab run", "Hugging Face Llama"
+HUGGING_FACE_T5 = "Hugging Face T5"
+#: config.json's model_type → the init's kind (read by lmlab.interop's llama or t5: :func:`_interop`).
+HUGGING_FACE_FAMILIES = {"llama": HUGGING_FACE, "t5": HUGGING_FACE_T5}
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,8 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         _check_readable(found[0], refuse)
         return Source(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
     if (path / "config.json").is_file():
-        from lmlab.interop import llama
-
-        weights = llama.weight_files(path)
+        kind = _hugging_face_kind(path, refuse)
+        weights = _interop(kind).weight_files(path)
         missing = [p.name for p in weights if not p.is_file()]
         if missing:
             other = " (only safetensors are read: pickled .bin weights can run code; convert with "\
@@ -94,12 +99,41 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         if not (path / "tokenizer.json").is_file():
             raise refuse("a Hugging Face folder without tokenizer.json (the `hf` tokenizer reads the fast-tokenizer "
                          "file; AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
-        return Source(path, HUGGING_FACE, path, tuple(weights), path)
+        return Source(path, kind, path, tuple(weights), path)
     runs = sorted(p.name for p in path.iterdir() if (p / "manifest.toml").is_file())
     if runs:
         raise refuse(f"holds the runs of a sweep; name one of them ({', '.join(runs[:3])}"
                      f"{', ...' if len(runs) > 3 else ''})")
     raise refuse("is neither a run folder (manifest.toml) nor a Hugging Face folder (config.json)")
+
+
+def _hugging_face_kind(folder: Path, refuse) -> str:
+    """The kind of a Hugging Face folder, by its config.json's model_type (a UserError for a family
+    lmlab does not read). A config.json that is not a JSON object is left to the Llama reader, which
+    reports it as it always has."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return HUGGING_FACE
+    if not isinstance(config, dict):
+        return HUGGING_FACE
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in HUGGING_FACE_FAMILIES:
+        known = " and ".join(f"{kind.removeprefix('Hugging Face ')} (\"{name}\")"
+                             for name, kind in HUGGING_FACE_FAMILIES.items())
+        raise refuse(f"config.json has model_type {model_type!r}; lmlab reads Hugging Face {known} checkpoints")
+    return HUGGING_FACE_FAMILIES[model_type]
+
+
+def _interop(kind: str):
+    """The lmlab.interop module that reads a Hugging Face folder of ``kind``."""
+    if kind == HUGGING_FACE_T5:
+        from lmlab.interop import t5
+
+        return t5
+    from lmlab.interop import llama
+
+    return llama
 
 
 def _check_readable(checkpoint: Path, refuse) -> None:
@@ -124,12 +158,11 @@ def source_tables(source: Source) -> dict[str, dict]:
             raise UserError(f"{source.folder}: its manifest.toml has no [{absent[0]}] table; is it a run folder?",
                             key="init.from")
         return {t: recorded[t] for t in GOVERNED}
-    from lmlab.interop import llama
-
+    family = source.kind.removeprefix("Hugging Face ")  # Llama, T5
     try:
-        tables = llama.folder_tables(source.folder)
+        tables = _interop(source.kind).folder_tables(source.folder)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{source.folder}: cannot be read as a Llama checkpoint: {type(exc).__name__}: {exc}",
+        raise UserError(f"{source.folder}: cannot be read as a {family} checkpoint: {type(exc).__name__}: {exc}",
                         key="init.from") from None
     return tables
 
@@ -238,14 +271,12 @@ def initialise(variant, model, run_dir: Path | None = None, resuming: bool = Fal
         _restructure_compressed(model, source.weights[0])
         their_block = source_tables(source)["model"].get("block_size")
     else:
-        from lmlab.interop import llama
-
         try:
-            state = llama.read_state(source.folder)
+            state = _interop(source.kind).read_state(source.folder)
         except ImportError as exc:
             raise UserError(f"reading Hugging Face weights needs the safetensors package ({exc}): "
                             "pip install safetensors", key="init.from") from None
-        their_block = None  # RoPE: no weight depends on the context length
+        their_block = None  # RoPE, T5's relative buckets: no weight depends on the context length
     load_state(model, state, strict=variant.init.strict, their_block_size=their_block, source=source.path)
     record = {"from": str(source.path), "format": source.kind,
               "weights": [{"path": str(p), "sha256": sha256(p)} for p in source.weights]}

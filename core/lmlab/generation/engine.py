@@ -15,6 +15,7 @@ import torch
 
 from lmlab.api.cache import InferenceCache
 from lmlab.generation.kv import ContiguousKV, PagedKV, Plan
+from lmlab.generation.seq2seq import EncoderRows
 
 CACHES = ("contiguous", "paged")
 
@@ -33,8 +34,6 @@ def make_engine(model, rows: int, max_len: int, cache: str = "contiguous", block
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     if hasattr(model, "encode"):  # an encoder-decoder model
-        from lmlab.generation.seq2seq import Seq2SeqEngine
-
         if not supports_rows(model):
             raise ValueError("an encoder-decoder model decodes through the shared key/value cache, which its "
                              "attention and position plugins must support (kv_layout, per_row)")
@@ -224,6 +223,10 @@ class Engine:
         for r, s in zip(rows, starts):
             self.lengths[r] = s + T
         return logits.float()
+
+
+class Seq2SeqEngine(EncoderRows, Engine):
+    """The engine of an encoder-decoder model (see :mod:`lmlab.generation.seq2seq`)."""
 
 
 class _Row:

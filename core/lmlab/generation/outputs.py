@@ -99,7 +99,8 @@ class Outputs:
             c.text = self._cut(i, self._decode(c.tokens))[0] if self.stops[i] else self._decode(c.tokens)
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens) if tokens and self.tokenizer is not None else ""
+        return text_of(self.tokenizer, tokens) if tokens and self.tokenizer is not None else ""
+
 
     def _cut(self, i: int, text: str) -> tuple[str, bool]:
         cuts = [text.find(s) for s in self.stops[i]]
@@ -115,3 +116,10 @@ class Outputs:
                     hold = max(hold, n)
                     break
         return hold
+
+
+def text_of(tokenizer, tokens: list[int]) -> str:
+    """The text of generated ids. Ids past the tokenizer's vocabulary are an objective's special tokens
+    (a mask, T5's sentinels): they have no text, and the tokenizer cannot decode them."""
+    size = getattr(tokenizer, "vocab_size", None)
+    return tokenizer.decode(tokens if size is None else [t for t in tokens if t < size])

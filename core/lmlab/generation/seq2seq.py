@@ -1,5 +1,6 @@
-"""The engine of an encoder–decoder model: each prompt goes through the encoder once, and the decoder
-generates from the model's decoder start id (``lmlab.api.Engine``, so every decoding plugin works).
+"""What the engine of an encoder–decoder model adds: each prompt goes through the encoder once, and the
+decoder generates from the model's decoder start id (``lmlab.api.Engine``, so every decoding plugin
+works). ``lmlab.generation.engine.Seq2SeqEngine`` mixes it into the engine.
 
 The decoder's self-attention uses the shared key/value store of :class:`lmlab.generation.engine.Engine`
 unchanged. Beside it, each row keeps its cross-attention keys and values, one pair per decoder layer
@@ -10,11 +11,10 @@ assigning a row (beam search) copies them with the self-attention cache.
 
 import torch
 
-from lmlab.generation.engine import Engine
 
-
-class Seq2SeqEngine(Engine):
-    """Up to ``rows`` prompts, read by the encoder, and their continuations of up to ``max_len`` tokens."""
+class EncoderRows:
+    """Engine methods for up to ``rows`` prompts read by the encoder, and their continuations of up to
+    ``max_len`` tokens; mixed in before :class:`lmlab.generation.engine.Engine`."""
 
     def __init__(self, model, rows: int, max_len: int, **settings):
         settings["cuda_graph"] = settings["compile"] = False  # the static step knows no cross-attention
