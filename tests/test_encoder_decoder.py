@@ -197,6 +197,8 @@ def test_sft_trains_an_encoder_decoder_run_that_generates(tmp_path, monkeypatch,
     capsys.readouterr()
     assert main(["generate", str(run), "--prompt", "Say one twice\n", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.strip()
+    assert main(["eval", str(run), "--data", str(tmp_path / "r.jsonl"), "--limit", "4"]) == 0
+    assert "exact match" in capsys.readouterr().out
 
 
 def test_a_wholly_padded_encoder_row_gives_finite_outputs():
@@ -207,3 +209,32 @@ def test_a_wholly_padded_encoder_row_gives_finite_outputs():
     with torch.no_grad():
         out = model(torch.randint(0, 37, (2, 3)), encoder_ids=enc, encoder_padding=padding)
     assert torch.isfinite(out).all()
+
+
+def test_peft_roles_cover_both_stacks_and_the_cross_attention():
+    from lmlab.api import resolve_roles
+
+    names = resolve_roles(build(), ["q"])
+    assert names == ["enc_blocks.0.attn.q_proj", "enc_blocks.1.attn.q_proj", "enc_blocks.2.attn.q_proj",
+                     "blocks.0.attn.q_proj", "blocks.0.cross.q_proj", "blocks.1.attn.q_proj", "blocks.1.cross.q_proj"]
+
+
+def test_lora_fine_tunes_an_encoder_decoder_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = manifest(tmp_path)
+    with open(path, "a") as f:
+        f.write('\n[peft]\nuse = "lora"\nr = 2\ntargets = ["q", "v"]\n')
+    assert main(["run", path, "--out", str(tmp_path / "runs")]) == 0
+    import json
+    summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
+    # r = 2 on q and v of 1 encoder + 1 decoder self-attention + 1 cross-attention, d_model 32: 6 × 2 × (32 + 32)
+    assert summary["trainable_params"] == 6 * 2 * (32 + 32), summary["trainable_params"]
+
+
+def test_embeddings_are_shared_or_separate_and_layer_counts_are_per_side():
+    shared, separate = build(), build(share_embeddings=False)
+    assert shared.enc_emb is shared.tok_emb and separate.enc_emb is not separate.tok_emb
+    assert separate.num_params() - shared.num_params() == SHAPE.vocab_size * SHAPE.d_model
+    assert (len(shared.enc_blocks), len(shared.blocks)) == (3, SHAPE.n_layers)
+    assert shared.enc_position is not shared.position  # each side its own position module

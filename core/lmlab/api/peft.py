@@ -116,15 +116,20 @@ def module_roles(model: "nn.Module") -> dict[str, dict[str, list[str]]]:
     """``{"attention": {role: [module names]}, "ffn": {...}}`` for the assembled model: for every
     block ``i``, the roles its attention module declares (``peft_roles()``) under
     ``blocks.<i>.attn.<submodule>`` and those of its ffn module under ``blocks.<i>.ffn.<submodule>``
-    (a ``skip`` ffn has none). Names are full names in ``model.named_modules()``."""
+    (a ``skip`` ffn has none). An encoder–decoder model (API 1.13) adds its encoder's blocks
+    (``enc_blocks.<i>...``, listed first) and each decoder block's cross-attention
+    (``blocks.<i>.cross.<submodule>``, attention roles like the self-attention's). Names are full
+    names in ``model.named_modules()``."""
     found: dict[str, dict[str, list[str]]] = {"attention": {}, "ffn": {}}
-    for i, block in enumerate(model.blocks):
-        for part, attr in (("attention", "attn"), ("ffn", "ffn")):
-            module = getattr(block, attr, None)
-            if module is None or getattr(module, "skip", False) or not hasattr(module, "peft_roles"):
-                continue
-            for role, sub in module.peft_roles().items():
-                found[part].setdefault(role, []).append(f"blocks.{i}.{attr}.{sub}")
+    stacks = [("enc_blocks", model.enc_blocks)] if hasattr(model, "enc_blocks") else []
+    for prefix, blocks in [*stacks, ("blocks", model.blocks)]:
+        for i, block in enumerate(blocks):
+            for part, attr in (("attention", "attn"), ("attention", "cross"), ("ffn", "ffn")):
+                module = getattr(block, attr, None)
+                if module is None or getattr(module, "skip", False) or not hasattr(module, "peft_roles"):
+                    continue
+                for role, sub in module.peft_roles().items():
+                    found[part].setdefault(role, []).append(f"{prefix}.{i}.{attr}.{sub}")
     return found
 
 
