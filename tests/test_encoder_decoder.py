@@ -199,6 +199,24 @@ def test_sft_trains_an_encoder_decoder_run_that_generates(tmp_path, monkeypatch,
     assert capsys.readouterr().out.strip()
     assert main(["eval", str(run), "--data", str(tmp_path / "r.jsonl"), "--limit", "4"]) == 0
     assert "exact match" in capsys.readouterr().out
+    # lmlab serve: the scheduler batches an encoder-decoder's rows through the same engine.
+    import openai
+
+    from lmlab.generation.batch import generate_ids
+    from lmlab.serve.service import Service
+    from lmlab.trained import load_run
+    from test_serve import serving
+
+    service = Service.from_run(run, model_name="ed", max_batch=4)
+    prompts = ["Say one twice\n", "Say twelve twice\n"]
+    with serving(service) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        served = [client.completions.create(model="ed", prompt=p, max_tokens=6, temperature=0).choices[0].text
+                  for p in prompts]
+    loaded = load_run(run)
+    made = generate_ids(discovery.load("decoding", "greedy")(), loaded.model,
+                        [loaded.tokenizer.encode(p) for p in prompts], 6, eos_id=loaded.tokenizer.eos_id)
+    assert served == [loaded.tokenizer.decode([t for t in m if t != loaded.tokenizer.eos_id]) for m in made]
 
 
 def test_a_wholly_padded_encoder_row_gives_finite_outputs():
