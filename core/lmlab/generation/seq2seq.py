@@ -97,11 +97,13 @@ class EncoderRows:
 
     def _forward(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         # The rows' encoder keys and values, cut to the longest of their prompts.
-        S = max(self.prompt_lengths[r] for r in rows)
-        index = torch.tensor(rows, device=self.device)
+        lengths = [self.prompt_lengths[r] for r in rows]
+        S = max(lengths)
+        # Rows 0..B-1 in order (the usual decode step) read views; any other set, one gather per layer.
+        index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device)
         self.cache.cross = [(k[index, :, :S], v[index, :, :S]) for k, v in zip(self.keys, self.values)]
-        padding = self.memory_padding[index, :S]
-        self.cache.memory_padding = padding if bool(padding.any()) else None
+        # Whether any row is padded is known on the host: no device sync per step.
+        self.cache.memory_padding = self.memory_padding[index, :S] if min(lengths) < S else None
         try:
             return super()._forward(rows, tokens)
         finally:

@@ -37,20 +37,25 @@ from lmlab.api import (Attention, AttentionModule, CrossAttentionModule, Field, 
                        Options, UserError)
 
 
+def _add_projections(module: nn.Module, shape: ModelShape, n_kv_heads: int) -> None:
+    """The four projections self- and cross-attention share (names included: PEFT roles, weight maps)."""
+    module.n_heads, module.n_kv_heads, module.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
+    inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
+    module.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
+    module.k_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
+    module.v_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
+    module.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
+    # No dropout after out_proj: the model applies residual dropout to every mixer's output.
+    module.dropout = shape.dropout
+
+
 class SelfAttention(AttentionModule):
     """Scaled dot-product attention of ``n_heads`` query heads over ``n_kv_heads`` key/value heads,
     causal or (in a model built for a bidirectional objective) over the whole window."""
 
     def __init__(self, shape: ModelShape, n_kv_heads: int):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
-        inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
-        self.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
-        self.k_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
-        self.v_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
-        self.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
-        # No dropout after out_proj: the model applies residual dropout to every mixer's output.
-        self.dropout = shape.dropout
+        _add_projections(self, shape, n_kv_heads)
         # Tensor parallelism: this rank computes heads [rank·H/size, (rank+1)·H/size) (and the matching
         # key/value heads); 1 and 0 without it.
         self.tp_size, self.tp_rank = 1, 0
@@ -188,13 +193,7 @@ class CrossAttention(CrossAttentionModule):
 
     def __init__(self, shape: ModelShape, n_kv_heads: int):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
-        inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
-        self.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
-        self.k_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
-        self.v_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
-        self.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
-        self.dropout = shape.dropout
+        _add_projections(self, shape, n_kv_heads)
         self.reset_parameters(shape)
 
     def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
