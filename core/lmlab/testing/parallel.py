@@ -61,20 +61,22 @@ def loss_trajectory(run_dir: Path) -> list[float]:
 
 def check_parallel_matches_single(parallel_table: str, workdir: Path, corpus: Path | None = None, *, replicas: int = 2,
                                   processes: int = 2, steps: int = 20, batch_size: int = 4,
-                                  atol: float = 1e-4, extra_manifest: str = "", timeout: int = 900) -> float:
+                                  atol: float = 1e-4, extra_manifest: str = "", extra_train: str = "",
+                                  timeout: int = 900) -> float:
     """Run the check; returns the largest loss difference, raises AssertionError on a mismatch.
 
     ``parallel_table`` is the manifest's ``[parallel]`` table for the plugin under test (e.g.
     ``'use = "ddp"\\ndevices = 2\\naccelerator = "cpu"'``); ``replicas`` is how many data-parallel
     replicas it makes of ``processes`` processes (fewer under tensor or pipeline parallelism). Without
-    a ``corpus``, a 60 kB synthetic text is written into ``workdir``.
+    a ``corpus``, a 60 kB synthetic text is written into ``workdir``. ``extra_train`` adds lines to both
+    runs' ``[train]`` table (``"grad_accum = 2"``); ``extra_manifest`` adds tables after the manifest.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     if corpus is None:
         corpus = synthetic_corpus(workdir / "corpus.txt")
-    single = _write(workdir / "single.toml", corpus, steps, batch_size * replicas, extra_manifest)
+    single = _write(workdir / "single.toml", corpus, steps, batch_size * replicas, extra_manifest, extra_train)
     parallel = _write(workdir / "parallel.toml", corpus, steps, batch_size,
-                      f"{extra_manifest}\n[parallel]\n{parallel_table}\n")
+                      f"{extra_manifest}\n[parallel]\n{parallel_table}\n", extra_train)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # N processes × N threads on N cores crawl
     for manifest, out in ((single, workdir / "single"), (parallel, workdir / "parallel")):
         result = subprocess.run([sys.executable, "-m", "lmlab", "run", str(manifest), "--out", str(out)],
@@ -115,6 +117,7 @@ def synthetic_corpus(path: Path, size: int = 60_000, seed: int = 0) -> Path:
     return path
 
 
-def _write(path: Path, corpus: Path, steps: int, batch_size: int, extra: str) -> Path:
-    path.write_text(MANIFEST.format(data=corpus, steps=steps, batch_size=batch_size) + extra)
+def _write(path: Path, corpus: Path, steps: int, batch_size: int, extra: str, extra_train: str = "") -> Path:
+    text = MANIFEST.format(data=corpus, steps=steps, batch_size=batch_size)
+    path.write_text(text.replace("\n[train]\n", f"\n[train]\n{extra_train}\n", 1) + extra)
     return path

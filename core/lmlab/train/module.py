@@ -159,8 +159,8 @@ class LMModule(L.LightningModule):
             scale *= scaler.get_scale()
         # The forward passes happen here, outside training_step's autocast: enter it again.
         with precision.forward_context():
-            self.last_loss = self.parallel.forward_backward(self.model, batch, self.objective.loss, scale)
-        self.last_aux = None
+            loss = self.parallel.forward_backward(self.model, batch, self.objective.loss, scale)
+        self._note_loss(loss, None)  # under grad_accum, the step's loss is the micro-batches' mean
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         norm, self._grad_norm = self._grad_norm, None

@@ -1,4 +1,4 @@
-"""A tensor-parallel or pipelined run resumed from its consolidated checkpoint continues exactly as
+"""A tensor-parallel, pipelined or 3-D run resumed from its consolidated checkpoint continues exactly as
 the uninterrupted run does: each process gets back its shard or stage, and its optimizer state."""
 
 import os
@@ -13,6 +13,8 @@ from lmlab.testing.parallel import MANIFEST, loss_trajectory, synthetic_corpus
 LAYOUTS = {
     "tensor": 'use = "tensor"\ndevices = 2\naccelerator = "cpu"\ntensor_parallel_size = 2',
     "pipeline": 'use = "pipeline"\ndevices = 2\naccelerator = "cpu"',
+    # Eight processes: each rank's optimizer state comes back as DTensor shards of its stage.
+    "3d": 'use = "3d"\ndevices = 8\naccelerator = "cpu"\npipeline = 2\ndata = 2\ntensor = 2',
 }
 
 

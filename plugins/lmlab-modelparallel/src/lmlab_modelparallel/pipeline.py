@@ -18,8 +18,9 @@ identical optimizer steps and never drift apart. Gradient clipping uses the norm
 model's gradient, summed over the stages (shared parameters counted once).
 
 How it meets Lightning, which has no pipeline strategy: the strategy is Lightning's
-``ModelParallelStrategy`` (process group, launcher, device mesh) with a one-dimensional mesh
-``(data_parallel = 1, pipeline_parallel = p)``, so every stage reads the same batch. The schedule
+``ModelParallelStrategy`` (process group, launcher, device mesh) with the mesh
+``(pipeline_parallel = p, data_parallel = 1, tensor_parallel = 1)``, so every stage reads the same
+batch (the ``3d`` plugin grows the other two dimensions). The schedule
 runs forward and backward together, so this plugin sets ``Parallel.runs_forward_backward``: lmlab's
 LightningModule then hands each training micro-batch to :meth:`PipelineParallel.forward_backward`
 where it would call ``loss.backward()`` and each evaluation batch to ``forward_loss``; everything
@@ -66,6 +67,7 @@ class PipelineParallel(Parallel):
     Options = PipelineOptions
     api = ">=1.7,<2"  # LaunchOptions.timeout_s, Plugin.check; configure_model, runs_forward_backward, clip_grad_norm, pipeline_stage
     runs_forward_backward = True
+    stages_key, stages_from = "parallel.devices", "one per process: devices × num_nodes"
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -86,8 +88,8 @@ class PipelineParallel(Parallel):
         """Block indices where the stages start, and n_layers: stage s runs [b[s], b[s + 1])."""
         o = self.options
         if stages > n_layers:
-            raise UserError(f"{stages} pipeline stages (one per process: devices × num_nodes) need at least as "
-                            f"many blocks, and model.n_layers is {n_layers}", key="parallel.devices")
+            raise UserError(f"{stages} pipeline stages ({self.stages_from}) need at least as many blocks, and "
+                            f"model.n_layers is {n_layers}", key=self.stages_key)
         if o.split is None:
             sizes = [n_layers // stages + (s < n_layers % stages) for s in range(stages)]
         elif len(o.split) != stages or sum(o.split) != n_layers:

@@ -12,10 +12,14 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 class Stage:
     """Stage ``index`` of ``stages`` over process group ``group``, running ``model`` (already split)."""
 
-    def __init__(self, model, index: int, stages: int, group, n_microbatches: int, schedule: str):
+    def __init__(self, model, index: int, stages: int, group, n_microbatches: int, schedule: str,
+                 pipelines: list[list[int]] | None = None):
         self.model, self.index, self.stages, self.group = model, index, stages, group
         self.n_microbatches, self.schedule = n_microbatches, schedule
         self.ranks = dist.get_process_group_ranks(group)  # global rank of each stage
+        # The global ranks of every pipeline in the run (one per data- and tensor-parallel index):
+        # creating a process group is collective over the world, so each rank creates them all.
+        self.pipelines = pipelines or [self.ranks]
         self._schedules: dict = {}
         self._step: dict = {}  # what the loss function needs during one schedule step
         self.shared = self._shared_parameters()
@@ -41,8 +45,12 @@ class Stage:
         self.owner = {name: stages[0] for name, stages in holders.items()}
         shared = []
         for stages in sorted(by_set):  # the same order everywhere: new_group is collective
-            group = (self.group if len(stages) == self.stages
-                     else dist.new_group([self.ranks[s] for s in stages]))
+            group = self.group
+            if len(stages) < self.stages:
+                for ranks in self.pipelines:
+                    created = dist.new_group([ranks[s] for s in stages])
+                    if ranks == self.ranks:
+                        group = created
             if self.index in stages:
                 shared.append((stages, group, sorted(by_set[stages])))
         return shared
@@ -104,24 +112,47 @@ class Stage:
 
     def _shared_grads(self) -> list[list[torch.Tensor | None]]:
         params = dict(self.model.named_parameters())
-        return [[None if params[n].grad is None else params[n].grad.clone() for n in names]
+        return [[None if params[n].grad is None else _local(params[n].grad).clone() for n in names]
                 for _, _, names in self.shared]
 
     def _sum_shared_grads(self, before: list[list[torch.Tensor | None]]) -> None:
         """Add up, over the stages holding it, what this backward pass contributed to each shared
-        parameter's gradient (a stage that did not use it contributes zero), so all copies agree."""
+        parameter's gradient (a stage that did not use it contributes zero), so all copies agree.
+        Sharded (DTensor) copies are summed shard by shard: the stages shard them alike."""
         params = dict(self.model.named_parameters())
         for (_, group, names), previous in zip(self.shared, before):
             ps = [params[n] for n in names]
             dtype = ps[0].dtype
-            parts = [(p.grad - prev if prev is not None else p.grad) if p.grad is not None
-                     else torch.zeros_like(p) for p, prev in zip(ps, previous)]
-            flags = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=ps[0].device)
+            parts = [(_local(p.grad) - prev if prev is not None else _local(p.grad)) if p.grad is not None
+                     else torch.zeros_like(_local(p)) for p, prev in zip(ps, previous)]
+            flags = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=parts[0].device)
             flat = torch.cat([x.reshape(-1).to(dtype) for x in parts] + [flags])
             dist.all_reduce(flat, group=group)
             offset = 0
-            for p, prev, flag in zip(ps, previous, flat[-len(ps):].tolist()):
-                part = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if flag:  # some stage computed a gradient: every copy gets the sum
-                    p.grad = part.clone() if prev is None else prev + part
+            for p, part_of, prev, flag in zip(ps, parts, previous, flat[-len(ps):].tolist()):
+                part = flat[offset:offset + part_of.numel()].view_as(part_of)
+                offset += part_of.numel()
+                if not flag:
+                    continue
+                total = part if prev is None else prev + part  # some stage computed it: every copy gets the sum
+                if p.grad is not None:
+                    _local(p.grad).copy_(total)
+                else:
+                    p.grad = _like(p, total.clone())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a view), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param``: a DTensor placed as it is, when it is one."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local

@@ -137,11 +137,12 @@ class TensorParallel(Parallel):
         return total
 
 
-def plans(model, tp_size: int) -> list[tuple[Any, dict]]:
-    """(module, plan) for every block's attention and ffn; a UserError naming the manifest key when a
-    module has no plan (its plugin does not support tensor parallelism) or cannot be split so."""
+def plans(model, tp_size: int, blocks=None, key: str = "parallel.tensor_parallel_size") -> list[tuple[Any, dict]]:
+    """(module, plan) for the attention and ffn of every block (or of ``blocks``, a pipeline stage's); a
+    UserError naming the manifest key when a module has no plan (its plugin does not support tensor
+    parallelism) or cannot be split so (``key``: the option that sets ``tp_size``)."""
     found = []
-    for block in model.blocks:
+    for block in model.blocks if blocks is None else blocks:
         parts = [("attention", block.attn)]
         if not getattr(block.ffn, "skip", False):
             parts.append(("ffn", block.ffn))
@@ -149,7 +150,7 @@ def plans(model, tp_size: int) -> list[tuple[Any, dict]]:
             try:
                 plan = module.tensor_parallel_plan(tp_size)
             except ValueError as exc:
-                raise UserError(f"does not fit the {slot} plugin: {exc}", key="parallel.tensor_parallel_size") from None
+                raise UserError(f"does not fit the {slot} plugin: {exc}", key=key) from None
             if plan is None:
                 raise UserError(f"the {slot} plugin's modules ({type(module).__name__}) do not support tensor "
                                 f"parallelism (no tensor_parallel_plan); choose another {slot} plugin or "

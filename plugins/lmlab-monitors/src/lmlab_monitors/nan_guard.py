@@ -48,7 +48,7 @@ class NanGuard(Monitor):
     def check(self, context) -> None:
         o = self.options
         parallel = context.manifest.get("parallel", {}).get("use")
-        if o.action == "skip" and o.rollback_after and parallel in ("fsdp", "deepspeed", "tensor", "pipeline"):
+        if o.action == "skip" and o.rollback_after and parallel in ("fsdp", "deepspeed", "tensor", "pipeline", "3d"):
             raise UserError(f"rolling back restores whole weights in place, which a sharded or split model "
                             f"(parallel {parallel!r}) cannot; set rollback_after = 0, or action = \"stop\" and "
                             "resume", key="monitor.nan-guard.rollback_after")
