@@ -1,7 +1,8 @@
 """``lmlab prepare MANIFEST``: filters and tokenises each variant's data into the token cache.
 
 What ``lmlab run`` does first when a variant's data is not prepared yet; running it ahead lets a
-cluster job start training at once, and ``--workers`` set how many processes share the work. Variants
+cluster job start training at once, and ``--workers`` set how many processes share the work;
+``--executor dask`` runs the same tasks on a Dask cluster (:mod:`lmlab.prepare.dask_pool`). Variants
 that share their data, filters and tokenizer share one cache entry; an entry already there is only
 reported. An interrupted preparation continues where it stopped when run again.
 """
@@ -16,6 +17,11 @@ def add_arguments(parser) -> None:
                         help="override a manifest value (repeatable), e.g. --set data.val_fraction=0.05")
     parser.add_argument("--workers", "-w", type=int, metavar="N",
                         help="processes that filter and tokenise, this one included (default: one per CPU)")
+    parser.add_argument("--executor", choices=("local", "dask"), default="local",
+                        help="where the tasks run: local worker processes (default), or a Dask cluster")
+    parser.add_argument("--scheduler", metavar="ADDRESS",
+                        help="with --executor dask: a running scheduler (tcp://host:8786); default: a local "
+                             "cluster of --workers processes")
     parser.add_argument("--shard-mb", type=float, metavar="MB",
                         help="text per token shard, in MB (default 16); a resumed preparation keeps its own")
 
@@ -23,6 +29,8 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     if args.workers is not None and args.workers < 1:
         raise UserError("must be at least 1", key="--workers")
+    if args.scheduler is not None and args.executor != "dask":
+        raise UserError("a scheduler address needs --executor dask", key="--scheduler")
     if args.shard_mb is not None and args.shard_mb <= 0:
         raise UserError("must be positive", key="--shard-mb")
     variants = manifest.load(args.manifest, args.overrides)
@@ -37,6 +45,7 @@ def main(args) -> int:
             continue
         done[key] = [variant.name]
         cached = entry.problem(pipeline.cache_root() / "tokens" / key) is None  # verified: prepare won't hash again
-        folder = pipeline.prepare_corpus(variant, workers=args.workers, shard_mb=args.shard_mb, key=key)
+        folder = pipeline.prepare_corpus(variant, workers=args.workers, shard_mb=args.shard_mb, key=key,
+                                         executor=args.executor, scheduler=args.scheduler)
         print(f"{variant.name}: {folder}{' (already prepared)' if cached else ''}")
     return 0

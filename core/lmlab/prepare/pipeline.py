@@ -116,17 +116,30 @@ def _plugin_versions(variant, slots: tuple[str, ...]) -> dict:
 
 
 def prepare_corpus(variant, root: Path | None = None, workers: int | None = None, shard_mb: float | None = None,
-                   listener: Listener | None = None, key: str | None = None, tokenizer=None) -> Path:
+                   listener: Listener | None = None, key: str | None = None, tokenizer=None,
+                   executor: str = "local", scheduler: str | None = None) -> Path:
     """The folder of the variant's prepared corpus: found in the cache, or built (resuming a build
-    that was interrupted). ``workers``: processes that filter and tokenise, this one included.
-    ``tokenizer``: the variant's tokenizer instance, fitted here when the entry is built."""
+    that was interrupted). ``workers``: processes that filter and tokenise, this one included (a
+    local Dask cluster's worker processes under ``executor = "dask"``). ``scheduler``: the address of
+    a running Dask scheduler to use instead of a local cluster. ``tokenizer``: the variant's
+    tokenizer instance, fitted here when the entry is built."""
     root = root or cache_root()
     workers = workers or default_workers()
     filters = filter_specs(variant)
+    listener = listener or Progress()
+    if executor == "dask":
+        from lmlab.prepare.dask_pool import DaskWorkers
+
+        pool = DaskWorkers(workers, filters, scheduler, listener)
+    elif scheduler is not None:
+        raise UserError("a scheduler address needs --executor dask", key="--scheduler")
+    else:
+        pool = Workers(workers, filters)
     # Filtering worker processes take about a second to start (they import their plugins): start
     # them now, while the data source's files are hashed for the cache key; stopped on a cache hit.
-    with Workers(workers, filters) as pool:
-        if filters:
+    # A Dask cluster starts (or is reached) now too: an unreachable scheduler is reported at once.
+    with pool:
+        if filters or executor == "dask":
             pool.start()
         source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
         key = key or cache_key(variant, source, tokenizer)
@@ -140,7 +153,6 @@ def prepare_corpus(variant, root: Path | None = None, workers: int | None = None
         except OSError as exc:
             raise UserError(f"cannot write the token cache in {root} ({exc.strerror or exc}); choose another "
                             "folder with the LMLAB_CACHE environment variable") from None
-        listener = listener or Progress()
         with lock, _locked(lock, listener):
             # Again, under the lock: another process may have built or rebuilt it while we waited.
             problem = entry.problem(final)

@@ -74,6 +74,9 @@ class Progress:
         elif event == "resume":
             self._line(f"prepare: resuming an interrupted preparation ({info['parts']} text parts and "
                        f"{info['shards']} token shards kept)")
+        elif event == "executor":
+            dashboard = f", dashboard {info['dashboard']}" if info.get("dashboard") else ""
+            self._line(f"prepare: on the Dask cluster at {info['scheduler']} ({info['workers']} worker(s){dashboard})")
         elif event == "wait":
             self._line("prepare: waiting for another process that prepares the same data")
         elif event == "fit":

@@ -1,0 +1,124 @@
+"""``lmlab prepare --executor dask``: the preparation's tasks on a Dask cluster instead of local processes.
+
+The tasks are the local executor's (:class:`lmlab.prepare.work.Worker`'s ``filter_chunk`` and
+``tokenize_part``): pure functions of their input, whose results this process takes in task order.
+So the shards are byte-identical whichever executor, cluster or worker count made them, and an
+interrupted preparation resumes from the same checkpoints. This process reads the source, decides
+what the corpus-level filters keep (in corpus order, on the signatures the workers computed, so a
+near-duplicate is found whichever worker saw its twin), spools the kept text and writes the index;
+the workers filter, compute signatures, and tokenise and write the shards. On a real cluster the
+cache folder must therefore be on a filesystem every worker can write (as the data must be readable
+by this process).
+
+Without an address, a local cluster of ``workers`` single-threaded processes is started and
+stopped with the preparation; with one (``tcp://host:8786``, from ``dask-scheduler`` and
+``dask-worker``, ``dask-jobqueue`` on SLURM or the Dask Kubernetes operator), the existing cluster
+is used and left running. Each worker builds the filters once and keeps them for later tasks.
+"""
+
+import hashlib
+import pickle
+from collections import deque
+from typing import Any, Iterable, Iterator
+
+from lmlab.errors import UserError
+from lmlab.prepare.work import PluginSpec, Worker
+
+CONNECT_TIMEOUT_S = 10.0
+
+_workers: dict[str, Worker] = {}  # in a Dask worker process: the Worker of each set of filters
+
+
+def _has_bokeh() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bokeh") is not None
+
+
+def _run(token: str, filters: list[PluginSpec], method: str, item: Any) -> Any:
+    worker = _workers.get(token)
+    if worker is None:
+        worker = _workers[token] = Worker(filters)
+    return getattr(worker, method)(item)
+
+
+class DaskWorkers:
+    """The interface of :class:`lmlab.prepare.work.Workers` over a Dask client: :meth:`map` yields
+    results in task order, with a bounded number of tasks in flight."""
+
+    def __init__(self, n: int, filters: list[PluginSpec], scheduler: str | None = None, listener=None):
+        self.n, self.filters, self.scheduler, self.listener = max(1, n), filters, scheduler, listener
+        self.token = hashlib.sha256(pickle.dumps(filters)).hexdigest()[:16]
+        self.executor = None  # the distributed.Client, once connected
+        self.cluster = None  # the LocalCluster this pool started, if any
+        self._local: Worker | None = None
+
+    @property
+    def local(self) -> Worker:
+        if self._local is None:
+            self._local = Worker(self.filters)
+        return self._local
+
+    def start(self, lazily: bool = False) -> bool:
+        if lazily or self.executor is not None:
+            return True
+        import logging
+
+        from distributed import Client, LocalCluster
+
+        if self.scheduler is None:
+            # Dask's dashboard needs bokeh; without it the local cluster serves none.
+            dashboard = ":0" if _has_bokeh() else None
+            self.cluster = LocalCluster(n_workers=self.n, threads_per_worker=1, processes=True,
+                                        dashboard_address=dashboard, silence_logs=logging.ERROR)
+            self.executor = Client(self.cluster)
+        else:
+            try:
+                self.executor = Client(self.scheduler, timeout=CONNECT_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: all bad input
+                raise UserError(f"cannot reach the Dask scheduler at {self.scheduler!r} within "
+                                f"{CONNECT_TIMEOUT_S:g} s ({type(exc).__name__}: {exc})", key="--scheduler") from None
+        if self.listener is not None:
+            self.listener("executor", {"scheduler": self.executor.scheduler.address, "workers": self.workers(),
+                                       "dashboard": self._dashboard()})
+        return True
+
+    def workers(self) -> int:
+        return len(self.executor.scheduler_info().get("workers", {})) or 1
+
+    def _dashboard(self) -> str | None:
+        # A remote scheduler's dashboard is its own affair; a local one needs bokeh here.
+        if self.cluster is not None and not _has_bokeh():
+            return None
+        return self.executor.dashboard_link
+
+    def map(self, method: str, items: Iterable, parallel: bool = True) -> Iterator:
+        """Results of ``method`` on each item, in order, computed on the cluster (``parallel`` is
+        ignored: the cluster was asked for)."""
+        self.start()
+        limit = 2 * self.workers() + 2  # keeps every worker busy while bounding the results held here
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(self.executor.submit(_run, self.token, self.filters, method, item, pure=False))
+                if len(pending) >= limit:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

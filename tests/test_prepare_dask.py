@@ -1,0 +1,173 @@
+"""``lmlab prepare --executor dask``: on a Dask cluster of two worker processes the shards are
+byte-identical to the local executor's, the tasks really run on the workers, a near-duplicate whose
+twin went to another partition is removed, a killed preparation resumes, and a scheduler that cannot
+be reached is bad input."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmlab.prepare import pipeline
+from lmlab.prepare.dask_pool import DaskWorkers
+from lmlab.prepare.work import Worker
+from test_prepare import encodings_manifest, files_of, needs_stdlib, quiet, variant_of, write_manifest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def prepare(path: Path, cache: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmlab", "prepare", str(path), *args], capture_output=True,
+                          text=True, env={**ENV, "LMLAB_CACHE": str(cache)}, timeout=timeout)
+
+
+@needs_stdlib
+def test_two_dask_workers_give_shards_byte_identical_to_the_local_executor(tmp_path):
+    variant = variant_of(encodings_manifest(tmp_path))  # pii, timestamps, exact and near-duplicate removal
+    local = pipeline.prepare_corpus(variant, root=tmp_path / "local", workers=1, shard_mb=0.25, listener=quiet)
+    events = []
+    dask = pipeline.prepare_corpus(variant, root=tmp_path / "dask", workers=2, shard_mb=0.25, executor="dask",
+                                   listener=lambda e, i: events.append((e, i)))
+    assert files_of(dask) == files_of(local)
+    (executor,) = [info for event, info in events if event == "executor"]
+    assert executor["workers"] == 2 and executor["scheduler"].startswith("tcp://")
+    index = json.loads((dask / "index.json").read_text())
+    assert len(index["shards"]["train"]) > 1 and index["filters"]["minhash-dedup"]["documents_dropped"] > 0
+
+
+@needs_stdlib
+def test_the_tasks_run_on_the_cluster_s_workers_and_come_back_in_order(tmp_path):
+    from lmlab.prepare.stages import filter_specs
+
+    variant = variant_of(encodings_manifest(tmp_path))
+    filters = filter_specs(variant)
+    texts = [p.read_text() for p in sorted(Path(variant.manifest["data"]["path"]).parent.glob("*.py"))[:40]]
+    chunks = [texts[i:i + 4] for i in range(0, len(texts), 4)]
+    with DaskWorkers(2, filters) as pool:
+        got = list(pool.map("filter_chunk", chunks))
+        built = pool.executor.run(lambda: len(sys.modules["lmlab.prepare.dask_pool"]._workers))
+        pids = pool.executor.run(os.getpid)
+    assert got == [Worker(filters).filter_chunk(chunk) for chunk in chunks]
+    # Both worker processes (not this one) built the filters and ran tasks.
+    assert len(built) == 2 and all(n == 1 for n in built.values()) and os.getpid() not in pids.values()
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+                    for _ in range(n))
+
+
+def test_a_near_duplicate_in_another_partition_is_removed(tmp_path):
+    rng = random.Random(0)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    original = _words(rng, 400)
+    words = original.split()
+    words[200] = "changed"  # one word of 400: Jaccard similarity of the 5-gram sets about 0.98
+    # About 600 kB of unrelated documents between the pair: the pair's chunks (about 256 KiB each)
+    # are different tasks, which two workers share.
+    documents = [original] + [_words(rng, 300) for _ in range(300)] + [" ".join(words)]
+    for i, text in enumerate(documents):
+        (folder / f"{i:04d}.txt").write_text(text)
+    path = write_manifest(tmp_path, f'use = "text-file"\npath = "{folder}/*.txt"',
+                          '[filter]\nuse = ["minhash-dedup"]\n')
+    result = prepare(path, tmp_path / "cache", "--executor", "dask", "--workers", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    stats = json.loads((entry / "index.json").read_text())["filters"]["minhash-dedup"]
+    assert stats["counts"] == {"near_duplicates": 1} and stats["documents_kept"] == len(documents) - 1
+    assert "on the Dask cluster at tcp://" in result.stderr and "MB/s" in result.stderr
+
+
+@needs_stdlib
+def test_a_killed_dask_prepare_resumes_to_byte_identical_shards(tmp_path):
+    path = encodings_manifest(tmp_path)
+    args = ("--executor", "dask", "--workers", "2", "--shard-mb", "0.05")
+    reference = prepare(path, tmp_path / "reference", *args)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    root = tmp_path / "killed"
+    # A session of its own: the kill takes the local cluster's processes too, as a job's end would.
+    process = subprocess.Popen([sys.executable, "-m", "lmlab", "prepare", str(path), *args],
+                               env={**ENV, "LMLAB_CACHE": str(root)}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:  # kill it a few parts into filtering
+        states = list(root.glob("partial/*/state.json"))
+        try:
+            if states and len(json.loads(states[0].read_text())["parts"]) >= 3:
+                break
+        except (json.JSONDecodeError, OSError):
+            pass
+        time.sleep(0.02)
+    assert process.poll() is None, "the preparation ended before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    resumed = prepare(path, root, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming an interrupted preparation" in resumed.stderr
+    (done,) = (root / "tokens").iterdir()
+    assert files_of(done) == files_of(tmp_path / "reference" / "tokens" / done.name)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9"), "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'"),
+    (("--scheduler", "tcp://127.0.0.1:9"), "needs --executor dask"),
+])
+def test_a_scheduler_that_cannot_be_used_is_one_line_and_exit_2_within_a_bounded_time(tmp_path, args, says):
+    path = write_manifest(tmp_path, f'use = "text-file"\npath = "{tmp_path / "a.txt"}"')
+    (tmp_path / "a.txt").write_text("hello world\n" * 100)
+    started = time.monotonic()
+    result = prepare(path, tmp_path / "cache", *args, timeout=120)
+    assert time.monotonic() - started < 60  # the connection gives up after 10 s
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lmlab: error:")]
+    assert len(errors) == 1 and errors[0].startswith("lmlab: error: --scheduler:") and says in errors[0], result.stderr
+    assert not (tmp_path / "cache" / "tokens").exists()
+
+
+@pytest.mark.slow  # a scheduler and two workers started as a user would: about half a minute
+@needs_stdlib
+def test_an_existing_cluster_is_used_by_address_and_left_running(tmp_path):
+    dask = shutil.which("dask", path=str(Path(sys.executable).parent))
+    if dask is None:
+        pytest.skip("no dask command beside this Python")
+    port = 8786 + os.getpid() % 1000
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [subprocess.Popen([dask, "scheduler", "--port", str(port), "--dashboard-address", ":0"], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(2):
+            procs.append(subprocess.Popen([dask, "worker", address, "--nthreads", "1", "--nworkers", "1"], env=ENV,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        path = encodings_manifest(tmp_path)
+        local = prepare(path, tmp_path / "local", "--workers", "1", "--shard-mb", "0.25")
+        assert local.returncode == 0, local.stderr[-3000:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until both workers have joined
+            from distributed import Client
+
+            try:
+                with Client(address, timeout=5) as client:
+                    if len(client.scheduler_info()["workers"]) == 2:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        remote = prepare(path, tmp_path / "remote", "--executor", "dask", "--scheduler", address, "--shard-mb", "0.25")
+        assert remote.returncode == 0, remote.stderr[-3000:]
+        assert f"on the Dask cluster at {address} (2 worker(s)" in remote.stderr
+        (entry,) = (tmp_path / "local" / "tokens").iterdir()
+        assert files_of(tmp_path / "remote" / "tokens" / entry.name) == files_of(entry)
+        assert all(p.poll() is None for p in procs)  # the cluster is left running
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
