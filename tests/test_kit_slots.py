@@ -428,11 +428,38 @@ class ReportNotTables(WeighingDedup):
         return {"repeats": self.repeats}
 
 
+class ShuffledDedup(Dedup):
+    """Exact deduplication that a partitioned index can decide (API 1.14): correct."""
+
+    name = "shuffled-dedup"
+
+    def shuffle_keys(self, signature):
+        return [signature.encode()]
+
+    def admit_among(self, signature, candidates):
+        return not candidates
+
+
+class CoarseKeys(ShuffledDedup):
+    name = "coarse-keys"
+
+    def shuffle_keys(self, signature):
+        return [signature[:1].encode()]  # documents that merely start alike look like duplicates
+
+
+class IgnoresCandidates(ShuffledDedup):
+    name = "ignores-candidates"
+
+    def admit_among(self, signature, candidates):
+        return True
+
+
 def test_correct_filters_pass():
     kit().check_filter(Lowercase)
     kit().check_filter(Lowercase, {"min_chars": 40})
     kit().check_filter(Dedup)
     kit().check_filter(WeighingDedup)
+    kit().check_filter(ShuffledDedup)
 
 
 @pytest.mark.parametrize("plugin, check, words", [
@@ -444,6 +471,8 @@ def test_correct_filters_pass():
     (WeightsForgotten, "state_dict", "weighs document"),
     (ReportOutsideState, "state_dict", "reports other tables"),
     (ReportNotTables, "report", "list of lmlab.api.Table"),
+    (CoarseKeys, "shuffle_keys", "a partitioned index would decide otherwise"),
+    (IgnoresCandidates, "shuffle_keys", "a partitioned index would decide otherwise"),
 ], ids=lambda value: getattr(value, "name", None))
 def test_a_broken_filter_fails_naming_the_problem(plugin, check, words):
     found = failures(plugin)

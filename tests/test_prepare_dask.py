@@ -171,3 +171,48 @@ def test_an_existing_cluster_is_used_by_address_and_left_running(tmp_path):
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("name, options", [("minhash-dedup", {"threshold": 0.7, "ngram": 2}), ("exact-dedup", {})])
+def test_the_index_partitioned_over_workers_decides_as_the_filter_alone_and_resumes_on_other_shards(
+        tmp_path, name, options):
+    from lmlab import discovery
+
+    cls = discovery.load("filter", name)
+    rng = random.Random(1)
+    texts = []
+    for i in range(80):  # every fourth text a copy of an earlier one with one word changed (or none)
+        if i % 4 == 3:
+            words = rng.choice(texts).split()
+            if name == "minhash-dedup":
+                words[rng.randrange(len(words))] = "changed"
+            texts.append(" ".join(words))
+        else:
+            texts.append(_words(rng, 60))
+    signatures = [cls(cls.Options(**options)).signature(t) for t in texts]
+    alone = cls(cls.Options(**options))
+    expected = [alone.admit(s) for s in signatures]
+    assert 10 <= expected.count(False) <= 20
+
+    def decide(admitter, signatures):
+        verdicts = []
+        for i in range(0, len(signatures), 7):  # chunks of 7, as the preparation folds them
+            chunk = signatures[i:i + 7]
+            admitter.prefetch(chunk)
+            verdicts += [admitter.admit(s) for s in chunk]
+            admitter.flush()
+        return verdicts
+
+    with DaskWorkers(2, []) as pool:
+        first = pool.admitting(0, cls(cls.Options(**options)), tmp_path)
+        got = decide(first, signatures[:40])
+        state = first.state_dict()  # each shard writes its segment: arrays, no pickle
+        held = [shard.sizes().result() for shard in first.shards]
+        assert all(keys > 0 for keys, _ in held)  # the keys are spread over both workers
+        assert sum(n for _, n in held) == got.count(True)
+    # Resumed on a cluster of another size: three shards read the two shards' segments.
+    with DaskWorkers(3, []) as pool:
+        second = pool.admitting(0, cls(cls.Options(**options)), tmp_path)
+        second.load_state_dict(state)
+        got += decide(second, signatures[40:])
+    assert got == expected

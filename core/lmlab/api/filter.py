@@ -103,6 +103,24 @@ class Filter(Plugin):
         with no chance of being drawn, False drops it."""
         return True
 
+    def shuffle_keys(self, signature: Any) -> list[bytes] | None:
+        """Corpus-level filters whose [admit][lmlab.api.filter.Filter.admit] compares a document only
+        with the earlier admitted documents that share a key with it (API 1.14): those keys (an exact
+        hash; the bands of a MinHash under locality-sensitive hashing). A preparation on a cluster
+        (``lmlab prepare --executor dask``) then partitions the index of admitted documents by key
+        over the workers instead of keeping it in one process, and decides with
+        [admit_among][lmlab.api.filter.Filter.admit_among]. Pure: a function of the signature and the
+        options. Default: None, the filter decides in one process with ``admit``."""
+        return None
+
+    def admit_among(self, signature: Any, candidates: list) -> bool | float:
+        """Corpus-level filters with [shuffle_keys][lmlab.api.filter.Filter.shuffle_keys]: the verdict
+        [admit][lmlab.api.filter.Filter.admit] would give, where ``candidates`` are the signatures of
+        every earlier admitted document that shares at least one key with this one (in no particular
+        order), and the index of admitted documents is kept by the caller, not by this instance.
+        Count as ``admit`` would (API 1.14)."""
+        raise NotImplementedError(f"{type(self).__name__} has shuffle_keys but no admit_among")
+
     def state_dict(self) -> dict | None:
         """Corpus-level filters: what [admit][lmlab.api.filter.Filter.admit] has learnt so far, called
         in the main process at each checkpoint of the preparation. A dict (string keys) whose values

@@ -117,6 +117,10 @@ and raise the bound when the plugin starts to use a newer one.
      encoder stack), ``Objective.architectures`` (which of decoder, encoder, encoder-decoder an objective
      trains), ``Vocabulary.decoder_start_id``, ``Seq2SeqBatch`` (encoder tokens beside the decoder's) and
      ``Batch.model_inputs`` (what the model's forward takes besides ``input_ids``).
+
+1.14: ``Filter.shuffle_keys`` and ``Filter.admit_among``: a corpus-level filter whose verdict depends
+     only on earlier admitted documents sharing a key lets a Dask preparation partition its index by
+     key over the workers.
 """
 
-API_VERSION = "1.13"
+API_VERSION = "1.14"

@@ -19,6 +19,7 @@ is used and left running. Each worker builds the filters once and keeps them for
 import hashlib
 import pickle
 from collections import deque
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from lmlab.errors import UserError
@@ -52,6 +53,7 @@ class DaskWorkers:
         self.executor = None  # the distributed.Client, once connected
         self.cluster = None  # the LocalCluster this pool started, if any
         self._local: Worker | None = None
+        self._admitters: dict = {}  # corpus-level filter number → its ShuffledAdmitter
 
     @property
     def local(self) -> Worker:
@@ -92,9 +94,33 @@ class DaskWorkers:
             return None
         return self.executor.dashboard_link
 
+    def admitting(self, number: int, instance, partial: Path):
+        """What decides for corpus-level filter ``number`` of the build in ``partial``: the filter,
+        or, when it can be partitioned by key (``Filter.shuffle_keys``), a stand-in whose index is
+        spread over the workers (:mod:`lmlab.prepare.key_index`)."""
+        from lmlab.api import Filter
+        from lmlab.prepare.key_index import ShuffledAdmitter
+
+        if type(instance).shuffle_keys is Filter.shuffle_keys:
+            self._admitters.pop(number, None)
+            return instance
+        self.start()
+        self._admitters[number] = ShuffledAdmitter(self.executor, instance, number, partial)
+        return self._admitters[number]
+
     def map(self, method: str, items: Iterable, parallel: bool = True) -> Iterator:
         """Results of ``method`` on each item, in order, computed on the cluster (``parallel`` is
-        ignored: the cluster was asked for)."""
+        ignored: the cluster was asked for). Around each filtered chunk, the partitioned indexes
+        fetch what the chunk's keys need before it is folded, and file what was admitted after."""
+        admitters = self._admitters if method == "filter_chunk" else {}
+        for chunk in self._ordered(method, items):
+            for number, admitter in admitters.items():
+                admitter.prefetch([outcome[4][number] for outcome in chunk if number in outcome[4]])
+            yield chunk
+            for admitter in admitters.values():
+                admitter.flush()
+
+    def _ordered(self, method: str, items: Iterable) -> Iterator:
         self.start()
         limit = 2 * self.workers() + 2  # keeps every worker busy while bounding the results held here
         pending: deque = deque()

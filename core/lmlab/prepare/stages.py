@@ -57,7 +57,8 @@ class Build:
         self.started = time.perf_counter()
 
     def _corpus_filters(self) -> dict:
-        return {j: spec.build() for j, spec in enumerate(self.filters) if spec.cls.corpus_level}
+        decide = getattr(self.pool, "admitting", lambda j, f, partial: f)  # a Dask pool may partition an index
+        return {j: decide(j, spec.build(), self.partial) for j, spec in enumerate(self.filters) if spec.cls.corpus_level}
 
     # -- the whole build ---------------------------------------------------------------------------
 

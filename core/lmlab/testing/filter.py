@@ -252,6 +252,34 @@ def report(subject: FilterSubject) -> None:
                 fail(f"the table {t.title!r} changes through JSON (its cells must be str, int, float or None)")
 
 
+def shuffle_keys(subject: FilterSubject) -> None:
+    """Corpus-level filters with ``shuffle_keys`` (API 1.14): the keys are a list of bytes that
+    depends on the signature alone, and deciding with ``admit_among`` from an index of the admitted
+    documents by key (what ``lmlab prepare --executor dask`` partitions over its workers) gives
+    ``admit``'s verdicts and counts, document by document."""
+    from lmlab.api import Filter
+
+    if not subject.cls.corpus_level or subject.cls.shuffle_keys is Filter.shuffle_keys:
+        return
+    signatures = _outputs(subject.plugin(), subject.documents)
+    alone, partitioned, index = subject.plugin(), subject.plugin(), {}
+    for i, sig in enumerate(signatures):
+        keys = partitioned.shuffle_keys(sig)
+        if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys) or not keys:
+            fail(f"shuffle_keys() of document {i} returned {_short(keys)}; it returns a non-empty list of bytes")
+        if subject.plugin().shuffle_keys(sig) != keys:
+            fail(f"shuffle_keys() of document {i} differs from a fresh instance's: keys depend on the signature only")
+        candidates = [c for k in dict.fromkeys(keys) for c in index.get(k, ())]
+        expected, actual = alone.admit(sig), partitioned.admit_among(sig, candidates)
+        if expected != actual or alone.__dict__.get("_counts") != partitioned.__dict__.get("_counts"):
+            fail(f"document {i}: admit_among() with the admitted documents that share a key gave {actual!r} "
+                 f"(counts {partitioned.__dict__.get('_counts')}), admit() {expected!r} (counts "
+                 f"{alone.__dict__.get('_counts')}): a partitioned index would decide otherwise")
+        if actual is not False and actual is not None:
+            for k in keys:
+                index.setdefault(k, []).append(sig)
+
+
 #: name → check, in the order ``check_filter`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
@@ -261,4 +289,5 @@ CHECKS = {
     "state_dict": state_dict,
     "weights": weights,
     "report": report,
+    "shuffle_keys": shuffle_keys,
 }

@@ -30,7 +30,7 @@ class ExactDedup(Filter):
     Options = ExactDedupOptions
     # lmlab.api.Filter. The state methods of 1.6 are only called by a core that has them; an older one
     # checkpoints the instance as it always did.
-    api = ">=1.6,<2"  # Filter.state_dict; Filter (1.3)
+    api = ">=1.6,<2"  # Filter.state_dict; Filter (1.3); shuffle_keys, admit_among (1.14) where the core has them
     corpus_level = True
 
     def __init__(self, options: ExactDedupOptions | None = None):
@@ -49,6 +49,15 @@ class ExactDedup(Filter):
             self.count("duplicates")
             return False
         self.seen.add(signature)
+        return True
+
+    def shuffle_keys(self, signature: bytes) -> list[bytes]:
+        return [signature]  # a document meets its duplicates under its own hash
+
+    def admit_among(self, signature: bytes, candidates: list) -> bool:
+        if candidates:  # an earlier admitted document has the same hash
+            self.count("duplicates")
+            return False
         return True
 
     def state_dict(self) -> dict:

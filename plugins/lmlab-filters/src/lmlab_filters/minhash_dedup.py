@@ -48,7 +48,7 @@ class MinHashDedup(Filter):
     Options = MinHashDedupOptions
     # lmlab.api.Filter. The state methods of 1.6 are only called by a core that has them; an older one
     # checkpoints the instance as it always did (__getstate__).
-    api = ">=1.6,<2"  # Filter.state_dict; Filter (1.3)
+    api = ">=1.6,<2"  # Filter.state_dict; Filter (1.3); shuffle_keys, admit_among (1.14) where the core has them
     corpus_level = True
 
     def __init__(self, options: MinHashDedupOptions | None = None):
@@ -84,6 +84,22 @@ class MinHashDedup(Filter):
                 self.count("near_duplicates")
                 return False
         self._index(values, minhash)
+        return True
+
+    def shuffle_keys(self, signature: bytes) -> list[bytes]:
+        # The LSH bands' keys as datasketch files them (band number, then the band's hashed values):
+        # two documents share one exactly when lsh.query would propose one for the other.
+        minhash = LeanMinHash(seed=self.options.seed, hashvalues=np.frombuffer(signature, dtype="<u4"),
+                              scheme="affine32")
+        return [band.to_bytes(2, "little") + bytes(self.lsh._H(minhash.hashvalues[start:end]))
+                for band, (start, end) in enumerate(self.lsh.hashranges)]
+
+    def admit_among(self, signature: bytes, candidates: list) -> bool:
+        values = np.frombuffer(signature, dtype="<u4")
+        for other in candidates:
+            if np.mean(np.frombuffer(other, dtype="<u4") == values) >= self.options.threshold:
+                self.count("near_duplicates")
+                return False
         return True
 
     def _index(self, values: np.ndarray, minhash: LeanMinHash) -> None:
