@@ -94,6 +94,13 @@ class Parallel(Plugin):
         """
         raise NotImplementedError
 
+    def resolved(self) -> dict[str, Any]:
+        """Choices this plugin made for the machine it runs on, called once in the main process after
+        [trainer_kwargs][lmlab.api.parallel.Parallel.trainer_kwargs] (API 1.15): JSON values, such as
+        which implementation steps an offloaded optimizer and why. ``provenance.json`` records them
+        under ``plugins.parallel.resolved``, so a run says what it actually used. Default: none."""
+        return {}
+
     def device_type(self) -> str:
         """The device type the processes train on: ``"cuda"``, ``"mps"`` or ``"cpu"`` (API 1.6).
 

@@ -121,6 +121,9 @@ and raise the bound when the plugin starts to use a newer one.
 1.14: ``Filter.shuffle_keys`` and ``Filter.admit_among``: a corpus-level filter whose verdict depends
      only on earlier admitted documents sharing a key lets a Dask preparation partition its index by
      key over the workers.
+
+1.15: ``Parallel.resolved``: the choices a parallel plugin made for the machine (DeepSpeed's CPU Adam or
+     torch's AdamW for an offloaded optimizer), recorded in ``provenance.json``.
 """
 
-API_VERSION = "1.14"
+API_VERSION = "1.15"

@@ -145,6 +145,9 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     environment = provenance.environment()
 
     parallel = plugins["parallel"].trainer_kwargs()
+    chosen = getattr(plugins["parallel"], "resolved", dict)()  # API 1.15: what it chose for this machine
+    if chosen:
+        used["parallel"] = {**used["parallel"], "resolved": chosen}
     tracker = plugins["tracker"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg.batch_size, cfg.eval_batch_size, cfg.eval_steps,
                                  variant.seed, cfg.grad_accum, objective=plugins["objective"],

@@ -46,8 +46,9 @@ SHARDS = "deepspeed"  # the folder, beside the checkpoint files, of DeepSpeed's 
 
 
 class ZeROStrategy(DeepSpeedStrategy):
-    def __init__(self, config: dict, file_config: dict | None = None, **kwargs):
+    def __init__(self, config: dict, file_config: dict | None = None, cpu_adam: bool = False, **kwargs):
         super().__init__(config=config, **kwargs)
+        self.cpu_adam = cpu_adam  # step the offloaded AdamW with DeepSpeed's CPU Adam (lmlab_deepspeed.cpu_adam)
         # lmlab's module overrides backward and gradient clipping for other layouts; here DeepSpeed's
         # engine does both, as configured, and Lightning's notes saying so would only alarm. The
         # deprecations (all_gather_into_tensor, ...) are torch's, addressed to DeepSpeed.
@@ -89,6 +90,10 @@ class ZeROStrategy(DeepSpeedStrategy):
                 backend.build_shm_op = build
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        if self.cpu_adam and optimizer is not None:
+            from lmlab_deepspeed.cpu_adam import host_optimizer
+
+            optimizer = host_optimizer(optimizer)
         if self.root_device.type == "cuda":
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         # DeepSpeed compares the device index with 0; a CPU device has none.

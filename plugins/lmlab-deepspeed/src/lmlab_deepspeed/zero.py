@@ -58,6 +58,10 @@ class DeepSpeedOptions(LaunchOptions):
         2, help="ZeRO stage: 1 partitions the optimizer state, 2 also the gradients, 3 also the parameters")
     offload_optimizer: Literal["none", "cpu"] = Field(
         "none", help="keep the optimizer state in CPU memory and step it there (ZeRO-Offload)")
+    cpu_adam: Literal["auto", "deepspeed", "torch"] = Field(
+        "auto", help="with offload_optimizer = \"cpu\": the host step by DeepSpeed's vectorised CPU Adam (built on "
+                     "first use; needs [optimizer] use = \"adamw\"), by torch's AdamW, or auto: DeepSpeed's where "
+                     "it builds, else torch's with a warning")
     offload_param: Literal["none", "cpu"] = Field(
         "none", help="keep the parameters in CPU memory between uses (stage 3 only)")
     contiguous_gradients: bool = Field(
@@ -79,6 +83,9 @@ class DeepSpeedOptions(LaunchOptions):
             raise UserError(f"parameters are partitioned, hence offloadable, only in stage 3; "
                             f"set stage = 3 or offload_param = \"none\" (stage is {self.stage})",
                             key="parallel.offload_param")
+        if self.cpu_adam == "deepspeed" and self.offload_optimizer != "cpu":
+            raise UserError("DeepSpeed's CPU Adam steps an offloaded optimizer; set offload_optimizer = \"cpu\" "
+                            "or leave cpu_adam at \"auto\"", key="parallel.cpu_adam")
         if self.config is not None:
             read_config_file(self.config)
         return self
@@ -180,7 +187,7 @@ class DeepSpeedZeRO(Parallel):
     over the ranks (DeepSpeed ZeRO, through a Lightning ``DeepSpeedStrategy``)."""
 
     Options = DeepSpeedOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s, trainer_precision
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s, trainer_precision; resolved (1.15) where the core has it
 
     def trainer_kwargs(self) -> dict[str, Any]:
         o = self.options
@@ -197,10 +204,27 @@ class DeepSpeedZeRO(Parallel):
         if get_accelerator().device_name() != kind:
             raise UserError(f"DeepSpeed was set to {get_accelerator().device_name()} earlier in this process",
                             key="parallel.accelerator")
+        from lmlab_deepspeed import cpu_adam
+
         file_config = read_config_file(o.config) if o.config is not None else {}
-        check_config(merge(base_config(o), file_config), o.config)
-        strategy = ZeROStrategy(config=base_config(o), file_config=file_config, timeout=timedelta(seconds=o.timeout_s))
+        config = merge(base_config(o), file_config)
+        check_config(config, o.config)
+        offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") == "cpu"
+        self._resolved = cpu_adam.resolve(o.cpu_adam, offload)
+        strategy = ZeROStrategy(config=base_config(o), file_config=file_config, timeout=timedelta(seconds=o.timeout_s),
+                                cpu_adam=self._resolved["optimizer_step"] == "deepspeed-cpu-adam")
         return {"strategy": strategy, "accelerator": kind, "devices": o.devices, "num_nodes": o.num_nodes}
+
+    def resolved(self) -> dict[str, Any]:
+        """Which optimizer steps on the host under ZeRO-Offload, and why (after ``trainer_kwargs``)."""
+        return dict(getattr(self, "_resolved", {}))
+
+    def check(self, context) -> None:
+        super().check(context)
+        optimizer = context.manifest.get("optimizer", {}).get("use")
+        if self.options.cpu_adam == "deepspeed" and optimizer != "adamw":
+            raise UserError(f"DeepSpeed's CPU Adam replaces AdamW, and [optimizer] uses {optimizer!r}; set "
+                            "cpu_adam = \"torch\" or \"auto\"", key="parallel.cpu_adam")
 
     def trainer_precision(self, train) -> dict[str, Any]:
         # The engine casts the model and scales the loss itself, as its config's fp16/bf16 section says
