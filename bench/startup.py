@@ -1,9 +1,15 @@
-"""CLI start-up: how long `lmlab plugins` and `lmlab check` take, and what they import.
+"""Start-up: how long `lmlab plugins` and `lmlab check` take and what they import; and, for a
+training run as a whole process, lmlab against the hand-written script.
 
 `lmlab plugins` must answer in under 0.5 s with every first-party plugin installed (it reads
 entry-point metadata only); `lmlab check` imports the plugins its manifest names, and never
 lightning, wandb, deepspeed or peft. Each command runs 5 times in a fresh interpreter; the median
 is printed next to a bare `python -c pass` baseline measured the same way.
+
+Then a 20-step training run of the quickstart model, as a whole process, three times each for
+`lmlab run` and `bench/handwritten_train.py` (medians): the wall time, the time to the first
+optimizer step and the time from the last step to exit (``bench/whole_process.py``), with the
+import times of torch and of Lightning shown separately (``python -c "import ..."``).
 
     python bench/startup.py
 """
@@ -13,6 +19,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import whole_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "lightning", "wandb", "deepspeed", "peft", "transformers", "sentencepiece")
@@ -44,6 +53,15 @@ def main() -> None:
         seconds = timed([sys.executable, "-m", "lmlab", *argv])
         print(f"lmlab {' '.join(argv[:1]):<18} {seconds:6.3f} s  (x{seconds / baseline:.1f} python start-up)"
               f"  heavy modules, plugin packages imported: {imports(argv)}")
+    print("\na 20-step run of the quickstart model as a whole process (median of 3):")
+    for name, run in (("lmlab run", whole_process.lmlab), ("hand-written", whole_process.handwritten)):
+        runs = [run(20) for _ in range(3)]
+        median = {f: statistics.median(getattr(r, f) for r in runs) for f in ("wall", "first_step", "after_last")}
+        print(f"  {name:13s} wall {median['wall']:6.2f} s | to the first optimizer step {median['first_step']:6.2f} s"
+              f" | from the last step to exit {median['after_last']:6.2f} s")
+    torch_s, lightning_s = whole_process.import_time("torch"), whole_process.import_time("lightning.pytorch")
+    print(f"  python -c 'import torch' {torch_s:.2f} s; 'import lightning.pytorch' {lightning_s:.2f} s "
+          f"(Lightning's own share {lightning_s - torch_s:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,11 @@ class ShuffledAdmitter:
 
     def __init__(self, client, inner, number: int, partial: Path):
         self.inner, self.name, self.client, self.partial = inner, inner.name, client, Path(partial)
-        self.n = len(client.scheduler_info().get("workers", {})) or 1
-        self.shards = [client.submit(KeyShard, i, self.n, actor=True).result() for i in range(self.n)]
+        workers = sorted(client.scheduler_info().get("workers", {}))
+        self.n = len(workers) or 1
+        # One shard on each worker (pinned: left to the scheduler, two could share one).
+        self.shards = [client.submit(KeyShard, i, self.n, actor=True, pure=False,
+                                     workers=workers[i:i + 1] or None).result() for i in range(self.n)]
         self.prefix = f"index-{number:02d}"
         self.admitted = 0  # documents admitted so far: each one's number
         self.saved = 0  # segments written
