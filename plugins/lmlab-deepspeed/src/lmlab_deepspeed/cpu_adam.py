@@ -60,8 +60,17 @@ def host_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         raise UserError(f"DeepSpeed's CPU Adam replaces AdamW, and the [optimizer] made a {type(optimizer).__name__}"
                         " (use = \"adamw\", without amsgrad); set parallel.cpu_adam = \"torch\"",
                         key="parallel.cpu_adam")
+    class SharedGroupsCPUAdam(DeepSpeedCPUAdam):
+        def load_state_dict(self, state_dict):
+            # torch's load_state_dict makes new group dicts; the schedule sets lr on the shared ones.
+            shared = self.param_groups
+            super().load_state_dict(state_dict)
+            for mine, loaded in zip(shared, self.param_groups):
+                mine.update(loaded)
+            self.param_groups = shared
+
     first = optimizer.param_groups[0]
-    host = DeepSpeedCPUAdam([p for g in optimizer.param_groups for p in g["params"]], lr=first["lr"],
+    host = SharedGroupsCPUAdam([p for g in optimizer.param_groups for p in g["params"]], lr=first["lr"],
                             betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"],
                             adamw_mode=True)
     for group in optimizer.param_groups:
