@@ -16,25 +16,15 @@ cluster, which is more machines.
 """
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from prepare_speed import CONFIGS, digest, quiet, write_manifest
+from prepare_speed import CONFIGS, measure, write_manifest
 
 from lmlab import manifest
 from lmlab.prepare import pipeline
-
-
-def measure(variant, executor: str, scratch: Path) -> tuple[float, dict, str]:
-    root = Path(tempfile.mkdtemp(dir=scratch))
-    start = time.perf_counter()
-    folder = pipeline.prepare_corpus(variant, root=root, workers=2, listener=quiet, executor=executor)
-    seconds = time.perf_counter() - start
-    return seconds, json.loads((folder / "index.json").read_text()), digest(folder)
 
 
 def main() -> None:
@@ -51,7 +41,7 @@ def main() -> None:
             digests, index = set(), None
             for _ in range(args.repeats):
                 for executor in times:
-                    seconds, index, h = measure(variant, executor, scratch)
+                    seconds, index, h = measure(variant, scratch, workers=2, executor=executor)
                     times[executor].append(seconds)
                     digests.add(h)
             mb = index["input_bytes"] / 2**20

@@ -62,10 +62,12 @@ def quiet(event: str, info: dict) -> None:
     pass
 
 
-def measure(variant, workers: int, scratch: Path) -> tuple[float, dict, str]:
+def measure(variant, scratch: Path, **options) -> tuple[float, dict, str]:
+    """(seconds, index, digest of the shards) of one preparation into a fresh cache under ``scratch``;
+    ``options`` go to ``prepare_corpus`` (``workers``, ``executor``)."""
     root = Path(tempfile.mkdtemp(dir=scratch))
     start = time.perf_counter()
-    folder = pipeline.prepare_corpus(variant, root=root, workers=workers, listener=quiet)
+    folder = pipeline.prepare_corpus(variant, root=root, listener=quiet, **options)
     seconds = time.perf_counter() - start
     return seconds, json.loads((folder / "index.json").read_text()), digest(folder)
 
@@ -84,7 +86,7 @@ def main() -> None:
             digests, index = set(), None
             for _ in range(args.repeats):
                 for workers in (1, 2):
-                    seconds, index, h = measure(variant, workers, scratch)
+                    seconds, index, h = measure(variant, scratch, workers=workers)
                     times[workers].append(seconds)
                     digests.add(h)
             mb = index["input_bytes"] / 2**20

@@ -128,6 +128,25 @@ def test_an_interrupted_prepare_resumes_to_byte_identical_shards(tmp_path, stage
     assert not (root / "partial" / reference.name).exists()
 
 
+def kill_a_few_parts_in(command: list[str], env: dict, root: Path, parts: int = 3) -> None:
+    """Start ``lmlab prepare`` (``command``) on the cache ``root`` and kill -9 it, with every process
+    it started (its own session, as a job's end would), once ``parts`` text parts are checkpointed."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        states = list(root.glob("partial/*/state.json"))
+        try:
+            if states and len(json.loads(states[0].read_text())["parts"]) >= parts:
+                break
+        except (json.JSONDecodeError, OSError):
+            pass
+        time.sleep(0.02)
+    assert process.poll() is None, "the preparation ended before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 @needs_stdlib
 def test_a_prepare_killed_with_sigkill_resumes_to_byte_identical_shards(tmp_path):
     path = encodings_manifest(tmp_path)
@@ -137,20 +156,7 @@ def test_a_prepare_killed_with_sigkill_resumes_to_byte_identical_shards(tmp_path
                                capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr
     root = tmp_path / "killed"
-    process = subprocess.Popen(command, env={**env, "LMLAB_CACHE": str(root)}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:  # kill it a few parts into filtering
-        states = list(root.glob("partial/*/state.json"))
-        try:
-            if states and len(json.loads(states[0].read_text())["parts"]) >= 3:
-                break
-        except (json.JSONDecodeError, OSError):
-            pass
-        time.sleep(0.02)
-    assert process.poll() is None, "the preparation ended before it could be killed"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_a_few_parts_in(command, {**env, "LMLAB_CACHE": str(root)}, root)
     resumed = subprocess.run(command, env={**env, "LMLAB_CACHE": str(root)}, capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr

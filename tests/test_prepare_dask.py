@@ -7,7 +7,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ import pytest
 from lmlab.prepare import pipeline
 from lmlab.prepare.dask_pool import DaskWorkers
 from lmlab.prepare.work import Worker
-from test_prepare import encodings_manifest, files_of, needs_stdlib, quiet, variant_of, write_manifest
+from test_prepare import (encodings_manifest, files_of, kill_a_few_parts_in, needs_stdlib, quiet, variant_of,
+                          write_manifest)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -93,22 +93,8 @@ def test_a_killed_dask_prepare_resumes_to_byte_identical_shards(tmp_path):
     reference = prepare(path, tmp_path / "reference", *args)
     assert reference.returncode == 0, reference.stderr[-3000:]
     root = tmp_path / "killed"
-    # A session of its own: the kill takes the local cluster's processes too, as a job's end would.
-    process = subprocess.Popen([sys.executable, "-m", "lmlab", "prepare", str(path), *args],
-                               env={**ENV, "LMLAB_CACHE": str(root)}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:  # kill it a few parts into filtering
-        states = list(root.glob("partial/*/state.json"))
-        try:
-            if states and len(json.loads(states[0].read_text())["parts"]) >= 3:
-                break
-        except (json.JSONDecodeError, OSError):
-            pass
-        time.sleep(0.02)
-    assert process.poll() is None, "the preparation ended before it could be killed"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_a_few_parts_in([sys.executable, "-m", "lmlab", "prepare", str(path), *args],
+                        {**ENV, "LMLAB_CACHE": str(root)}, root)
     resumed = prepare(path, root, *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming an interrupted preparation" in resumed.stderr

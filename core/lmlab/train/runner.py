@@ -145,7 +145,7 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     environment = provenance.environment()
 
     parallel = plugins["parallel"].trainer_kwargs()
-    chosen = getattr(plugins["parallel"], "resolved", dict)()  # API 1.15: what it chose for this machine
+    chosen = plugins["parallel"].resolved()  # API 1.15: what it chose for this machine
     if chosen:
         used["parallel"] = {**used["parallel"], "resolved": chosen}
     tracker = plugins["tracker"]

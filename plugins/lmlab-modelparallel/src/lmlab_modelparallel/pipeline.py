@@ -105,9 +105,11 @@ class PipelineParallel(Parallel):
     def check(self, context) -> None:
         # Checked before any process starts, so bad input stops with one line.
         super().check(context)
-        if not context.machine:
-            return
-        stages = self.options.processes()[2]
+        if context.machine:
+            self.check_stages(context, self.options.processes()[2])
+
+    def check_stages(self, context, stages: int) -> None:
+        """Refuse ``stages`` stages the model's blocks or the batch's micro-batches cannot make."""
         self.bounds(context.shape.n_layers, stages)
         m, batch = self.microbatches(stages), context.manifest["train"]["batch_size"]
         if batch % m:
@@ -144,25 +146,41 @@ class PipelineParallel(Parallel):
         from lmlab.api.layout import Collective, MemoryLayout
 
         _, stages = self.options.planned_processes(world_size)
+        m = self.microbatches(stages)
+        fullest, _, activations = self.fullest_stage(model, stages)
+        sends = (Collective("send-recv", "activations", 2, size=2, per="micro-batch",
+                            note=f"{m} pipeline micro-batches each way"),) if stages > 1 else ()
+        return MemoryLayout(devices=stages, replicas=1, params=fullest, grads=fullest, optimizer=fullest,
+                            activations=activations, collectives=sends,
+                            notes=(f"pipeline bubble: {(stages - 1) / (m + stages - 1):.0%} of each step idle",))
+
+    def fullest_stage(self, model, stages: int, tensor: int = 1) -> tuple[float, int, float]:
+        """For ``lmlab plan``: the largest fraction of the model one stage holds (its blocks' attention
+        and ffn split ``tensor`` ways), that stage's number of blocks, and the most activations a
+        stage keeps, as a multiple of one micro-batch's through the whole model (the micro-batches
+        in flight on it: all under GPipe, under 1F1B at most one per stage from it to the last;
+        each ``1 / n_microbatches`` of a batch, with Korthikanti et al.'s (2022) tensor-parallel
+        share: 24 of the 34 units per token and width are split ``tensor`` ways)."""
         n_layers, m = len(model.blocks), self.microbatches(stages)
         bounds = self.bounds(n_layers, stages)
         total = numel(model) or 1
         embedding, position = numel(model.tok_emb), numel(model.position)
         tied = model.head.weight is model.tok_emb.weight
         head = numel(model.norm_f) + (0 if tied else numel(model.head))
-        fullest, activations = 0.0, 0.0
+        fullest, fullest_blocks, activations = 0.0, 0, 0.0
         for s in range(stages):
             first, final = s == 0, s == stages - 1
-            held = position + sum(numel(model.blocks[i]) for i in range(bounds[s], bounds[s + 1]))
-            held += embedding * (first or (final and tied)) + head * final
-            fullest = max(fullest, held / total)
+            blocks = range(bounds[s], bounds[s + 1])
+            split = sum(numel(part) for i in blocks for part in (model.blocks[i].attn, model.blocks[i].ffn)
+                        if not getattr(part, "skip", False)) if tensor > 1 else 0
+            rest = position + sum(numel(model.blocks[i]) for i in blocks) - split
+            rest += embedding * (first or (final and tied)) + head * final
+            held = (split / tensor + rest) / total
+            if held > fullest:
+                fullest, fullest_blocks = held, len(blocks)
             in_flight = m if self.options.schedule == "gpipe" else min(stages - s, m)
-            activations = max(activations, (bounds[s + 1] - bounds[s]) / n_layers * in_flight / m)
-        sends = (Collective("send-recv", "activations", 2, size=2, per="micro-batch",
-                            note=f"{m} pipeline micro-batches each way"),) if stages > 1 else ()
-        return MemoryLayout(devices=stages, replicas=1, params=fullest, grads=fullest, optimizer=fullest,
-                            activations=activations, collectives=sends,
-                            notes=(f"pipeline bubble: {(stages - 1) / (m + stages - 1):.0%} of each step idle",))
+            activations = max(activations, len(blocks) / n_layers * in_flight / m * (10 + 24 / tensor) / 34)
+        return fullest, fullest_blocks, activations
 
     def clip_grad_norm(self, parameters, max_norm: float):
         import torch.distributed as dist

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import PositiveInt
 
 from lmlab.api import Field, UserError
-from lmlab_modelparallel.common import clip_by_global_norm, dtensor_aware_norm, numel
+from lmlab_modelparallel.common import clip_by_global_norm, dtensor_aware_norm
 from lmlab_modelparallel.pipeline import PipelineOptions, PipelineParallel
 from lmlab_modelparallel.tensor import plans
 
@@ -86,15 +86,9 @@ class ThreeD(PipelineParallel):
             _, _, world = self.options.processes()
             self._check_product(world, "devices × num_nodes")
         p, _, t = self.degrees()
-        self.bounds(context.shape.n_layers, p)
+        self.check_stages(context, p)
         if t > 1 and context.model is not None:
             plans(context.model, t, key="parallel.tensor")  # on the meta device: the plans, no weights
-        m, batch = self.microbatches(p), context.manifest["train"]["batch_size"]
-        if batch % m:
-            raise UserError(f"must divide train.batch_size ({batch}); got {m}", key="parallel.n_microbatches")
-        if self.options.schedule == "1f1b" and m < p:
-            raise UserError(f"1f1b needs at least one micro-batch per stage ({p}); got {m}",
-                            key="parallel.n_microbatches")
         super(PipelineParallel, self).check(context)  # the machine's devices and precision
 
     def configure_model(self, model, device_mesh) -> None:
@@ -136,33 +130,16 @@ class ThreeD(PipelineParallel):
         """The fullest stage after tensor parallelism (its blocks' attention and ffn ``1/t``, the rest
         of the stage whole), sharded ``d`` ways by FSDP; the whole stage held gathered during a step
         (not resharded between micro-batches). Activations: the pipeline's micro-batches in flight
-        on a stage, each with Korthikanti et al.'s (2022) tensor-parallel share (24 of 34 units split
-        ``t`` ways). Communication per micro-batch: the tensor-parallel all-reduces of the stage's
-        blocks, the pipeline's sends, and FSDP's all-gather and reduce-scatter of the stage."""
+        on a stage, with the tensor-parallel share (``PipelineParallel.fullest_stage``). Communication
+        per micro-batch: the tensor-parallel all-reduces of the stage's blocks, the pipeline's sends,
+        and FSDP's all-gather and reduce-scatter of the stage."""
         from lmlab.api.layout import Collective, MemoryLayout
 
         p, d, t = self.degrees()
         if world_size is not None:
             self._check_product(world_size, "lmlab plan --devices")
-        n_layers, m = len(model.blocks), self.microbatches(p)
-        bounds = self.bounds(n_layers, p)
-        total = numel(model) or 1
-        embedding, position = numel(model.tok_emb), numel(model.position)
-        tied = model.head.weight is model.tok_emb.weight
-        head = numel(model.norm_f) + (0 if tied else numel(model.head))
-        stage_held, stage_blocks, activations = 0.0, 0, 0.0
-        for s in range(p):
-            first, final = s == 0, s == p - 1
-            blocks = range(bounds[s], bounds[s + 1])
-            split = sum(numel(part) for i in blocks for part in (model.blocks[i].attn, model.blocks[i].ffn)
-                        if not getattr(part, "skip", False))
-            rest = position + sum(numel(model.blocks[i]) for i in blocks) - split
-            rest += embedding * (first or (final and tied)) + head * final
-            held = (split / t + rest) / total
-            if held > stage_held:
-                stage_held, stage_blocks = held, len(blocks)
-            in_flight = m if self.options.schedule == "gpipe" else min(p - s, m)
-            activations = max(activations, len(blocks) / n_layers * in_flight / m * (10 + 24 / t) / 34)
+        m = self.microbatches(p)
+        stage_held, stage_blocks, activations = self.fullest_stage(model, p, tensor=t)
         shard = stage_held / d
         collectives = []
         if t > 1:
