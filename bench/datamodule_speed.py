@@ -22,7 +22,7 @@ from stepper import QUICKSTART, ModelStepper
 
 from lmlab import manifest
 from lmlab.prepare import tokens as token_cache
-from lmlab.train.module import TokenDataModule
+from lmlab.train.data_module import TokenDataModule
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -83,7 +83,7 @@ class CompiledGreedy:
 
     @torch.no_grad()
     def __call__(self, prompt: torch.Tensor, new: int) -> list[int]:
-        from lmlab.generation.batch import run_decoder
+        from lmlab.generation.token_ids import run_decoder
         from lmlab.generation.outputs import Outputs
 
         outputs = Outputs(None, [new])
@@ -157,7 +157,7 @@ def batch_one(new: int, rounds: int) -> None:
 @torch.no_grad()
 def batched(new: int) -> None:
     from lmlab import discovery
-    from lmlab.generation.batch import run_decoder
+    from lmlab.generation.token_ids import run_decoder
     from lmlab.generation.engine import make_engine
     from lmlab.generation.outputs import Outputs
     from lmlab.interop.llama import from_hf

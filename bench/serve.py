@@ -42,7 +42,7 @@ def prompts(n: int) -> list[str]:
 
 def start(run_dir: Path, max_batch: int, cache: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "lmlab", "serve", str(run_dir), "--port", "0", "--max-batch", str(max_batch),
-           "--cache", cache]
+           "--cache", cache, "--set", "decoding.use=greedy"]  # the server's decoder: requests set nothing
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         print(line.rstrip(), flush=True)
@@ -63,8 +63,7 @@ def start(run_dir: Path, max_batch: int, cache: str) -> tuple[subprocess.Popen, 
 
 
 def complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                           "temperature": 0})
+    r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens})
     r.raise_for_status()
     body = r.json()
     return body["choices"][0]["text"], body["usage"]["completion_tokens"]

@@ -92,3 +92,27 @@ class StopAfter:
             self.n -= 1
             if self.n == 0:
                 raise KeyboardInterrupt
+
+
+def small_char_manifest(path: Path, tables: str) -> str:
+    """Writes a one-layer, width-16 char-tokenizer manifest (4 steps of 4 rows of 16 tokens, no sample,
+    no tracker) with ``tables`` (its [data] and anything else) to ``path``; returns the path."""
+    path.write_text("""\
+name = "curriculum"
+[tokenizer]
+use = "char"
+[model]
+n_layers = 1
+n_heads = 2
+d_model = 16
+block_size = 16
+[train]
+max_steps = 4
+batch_size = 4
+eval_every = 4
+eval_steps = 1
+sample_tokens = 0
+[tracker]
+use = "none"
+""" + tables)
+    return str(path)

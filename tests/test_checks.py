@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lmlab import manifest
+import support
 from lmlab.cli.main import main
-from support import ROOT
+from support import ROOT, run_cli
 
 
 def refused(capsys, path, *overrides) -> str:
@@ -55,10 +56,38 @@ def test_check_refuses_an_init_with_another_tokenizer(trained_run, tiny_manifest
     assert refused(capsys, path).startswith("lmlab: error: tokenizer.use:")
 
 
-def test_a_vocabulary_the_tokenizer_learns_from_the_data_is_left_to_the_run(tiny_manifest, capsys):
-    # The char tokenizer's vocabulary is known only once fitted: check does not read the data for it.
-    assert main(["check", str(tiny_manifest()), "-q", "--set=model.vocab_size=10"]) == 0
-    capsys.readouterr()
+def test_a_vocab_size_below_what_the_tokenizer_learns_is_refused_by_check_as_by_run(tiny_manifest, tmp_path):
+    # The char tokenizer learns its vocabulary from the data: check fits it (through the token cache)
+    # when model.vocab_size must hold it, and says what the run says, before the run writes anything.
+    path = tiny_manifest()
+    checked = support.refused(run_cli("check", str(path), "-q", "--set=model.vocab_size=10"), "model.vocab_size")
+    out = tmp_path / "out"
+    ran = support.refused(run_cli("run", str(path), "--out", str(out), "--set=model.vocab_size=10"),
+                          "model.vocab_size")
+    assert checked == ran and "smaller than the tokenizer's vocabulary" in ran
+    assert not out.exists()
+
+
+def test_check_quiet_prints_nothing_when_every_variant_passes(tiny_manifest):
+    result = run_cli("check", str(tiny_manifest('[sweep]\nseeds = [1, 2]\n')), "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""
+
+
+def test_the_optimizer_comparison_gives_each_optimizer_the_options_its_comment_says():
+    # experiments/optimizers.toml: the quickstart's betas and weight decay reach every swept optimizer
+    # that has the option; everything else (but lr) is the plugin's default.
+    carried = {"betas": [0.9, 0.99], "weight_decay": 0.1}
+    variants = manifest.load(ROOT / "experiments" / "optimizers.toml", ["sweep.seeds=[1]"])
+    assert [v.slots["optimizer"].name for v in variants] == ["adamw", "adafactor", "lamb", "adam8bit", "lion", "muon"]
+    for variant in variants:
+        chosen = variant.slots["optimizer"]
+        given, default = chosen.table(), chosen.plugin.Options().model_dump(mode="json")
+        expected = {**default, "lr": variant.sweep["optimizer.lr"],
+                    **{key: value for key, value in carried.items() if key in default}}
+        assert given == expected, chosen.name
+        assert ("betas" in default) == (f"optimizer.betas does not apply to optimizer plugin {chosen.name!r}; "
+                                        "ignored" not in variant.notes)
 
 
 def test_plan_run_and_a_loaded_run_assemble_one_model(tmp_path):

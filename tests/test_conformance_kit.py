@@ -406,3 +406,56 @@ def test_a_window_the_default_block_fills_is_checked_there_alone():
                        match=r"(?m)^early-evicting \(window=5\): incremental_decoding: the cached single step"):
         check_attention(EarlyEvictingWindow, {"window": 5}, skip=["compile"])
     check_attention(SlidingWindow, {"window": 5}, skip=["compile"])
+
+
+@pytest.mark.parametrize("window", [180, 200, 255])
+def test_a_window_past_the_third_of_the_longest_block_is_stepped_through_where_it_fills(window):
+    # The schedule used to step singly only up to a third of the block, then chunk to the end: a cache
+    # that evicts one key early was never stepped past its window there (it passed at 180, 200, 255).
+    found = failures(EarlyEvictingWindow, options={"window": window}, skip=["compile"])
+    assert "incremental_decoding" in found and set(found) <= {"incremental_decoding", "cache_reorder"}, found
+    assert f"at block_size {2 * window + 3}, past option window = {window}: the cached single step" in \
+        found["incremental_decoding"], found
+    assert failures(SlidingWindow, options={"window": window}, skip=["compile"]) == {}
+
+
+class BoundedWindowOptions(Options):
+    window: int = Field(32, ge=2, le=256, help="each query attends to itself and the window - 1 positions before it")
+
+
+class FixedBufferWindow(SlidingWindow):
+    """A cache of at most 190 keys, whatever the window: right at its default window of 32, wrong for
+    the windows from 192 up to the 256 its Options accept."""
+
+    name = "fixed-buffer"
+    Options = BoundedWindowOptions
+
+    def build(self, shape, layer):
+        module = SlidingWindowModule(shape, self.options.window)
+        module.new_state = lambda batch_size, max_len, device, dtype: WindowCache(min(module.window - 1, 190))
+        return module
+
+
+class BoundedWindow(SlidingWindow):
+    name = "bounded"
+    Options = BoundedWindowOptions
+
+
+def test_an_int_option_is_checked_up_to_its_declared_maximum():
+    found = failures(FixedBufferWindow, skip=["compile"])  # its default options: a window of 32
+    assert "incremental_decoding" in found and set(found) <= {"incremental_decoding", "cache_reorder"}, found
+    assert found["incremental_decoding"].startswith(
+        "fixed-buffer: incremental_decoding: with option window = 256 (its declared maximum), at block_size 515: "
+        "the cached single step"), found
+    assert failures(BoundedWindow, skip=["compile"]) == {}
+
+
+def test_an_int_option_is_checked_up_to_the_range_the_test_states():
+    # Unbounded in its Options: only the author can say how far it is meant to go.
+    assert failures(EarlyEvictingWindow, options={"window": 5}, skip=["compile", "cache_reorder"],
+                    ranges={"window": (2, 40)})["incremental_decoding"].startswith(
+        "early-evicting (window=5): incremental_decoding: the cached single step")
+    found = failures(FixedBufferWindow, options={"window": 5}, skip=["compile"], ranges={"window": (2, 200)})
+    assert "with option window = 200 (the top of the range the test states), at block_size 403" in \
+        found["incremental_decoding"], found
+    assert failures(FixedBufferWindow, options={"window": 5}, skip=["compile"], ranges={"window": (2, 150)}) == {}

@@ -1,14 +1,15 @@
-"""Curriculum learning (``[data] curriculum``): the easiest documents first, on a schedule, for a seed."""
+"""Curriculum learning (``[order] use = "length"``, or the older ``[data] curriculum``): the easiest documents
+first, on a schedule, for a seed."""
 
 import math
-import textwrap
 
 import numpy as np
 import pytest
 
 from lmlab.train.batches import RandomDocuments, RandomWindows, document_spans
-from lmlab.train.curriculum import Curriculum, lengths, rarity
-from support import refused, run_cli
+from lmlab.train.curriculum import Schedule
+from lmlab_order.curricula import Length, ObjectiveScored, lengths
+from support import refused, run_cli, small_char_manifest
 
 
 def corpus(n_docs: int = 40, seed: int = 0):
@@ -19,7 +20,17 @@ def corpus(n_docs: int = 40, seed: int = 0):
     return tokens, starts
 
 
-def by_length(tokens, starts, start=0.25, steps=8, pacing="linear") -> Curriculum:
+def Curriculum(order, start, steps, pacing) -> Schedule:
+    """``order`` paced as the first-party curricula pace it (lmlab.api.Order's competence)."""
+    return Schedule(np.asarray(order, dtype=np.int64), Length(Length.Options(start=start, steps=steps, pacing=pacing)))
+
+
+def available(plan: Schedule, step: int) -> int:
+    pool = plan.pool(step)
+    return len(plan.order) if pool is None else len(pool)
+
+
+def by_length(tokens, starts, start=0.25, steps=8, pacing="linear") -> Schedule:
     s, e = document_spans(tokens, starts)
     return Curriculum(np.argsort(lengths(s, e), kind="stable"), start, steps, pacing)
 
@@ -29,10 +40,10 @@ def test_competence_follows_the_linear_and_root_schedules():
     root = Curriculum(np.arange(100), 0.2, 10, "root")
     for step in range(12):
         t = min(step / 10, 1.0)
-        assert linear.competence(step) == pytest.approx(min(1.0, 0.2 + 0.8 * t))
-        assert root.competence(step) == pytest.approx(min(1.0, math.sqrt(t * (1 - 0.04) + 0.04)))
-        assert linear.available(step) == min(100, math.ceil(linear.competence(step) * 100))
-    assert root.available(0) == 20 and root.available(10) == 100
+        assert linear.plugin.competence(step) == pytest.approx(min(1.0, 0.2 + 0.8 * t))
+        assert root.plugin.competence(step) == pytest.approx(min(1.0, math.sqrt(t * (1 - 0.04) + 0.04)))
+        assert available(linear, step) == min(100, math.ceil(linear.plugin.competence(step) * 100))
+    assert available(root, 0) == 20 and available(root, 10) == 100
 
 
 def test_documents_come_from_the_easiest_share_at_every_step_and_all_of_them_after():
@@ -42,17 +53,18 @@ def test_documents_come_from_the_easiest_share_at_every_step_and_all_of_them_aft
     rank = np.empty(len(s), dtype=np.int64)
     rank[plan.order] = np.arange(len(s))
     batches = RandomDocuments(tokens, starts, block_size=64, batch_size=6, seed=3, curriculum=plan)
-    for step in range(plan.steps):
+    for step in range(plan.plugin.options.steps):
         docs = batches.documents(step)
-        assert (rank[docs] < plan.available(step)).all(), step
+        assert (rank[docs] < available(plan, step)).all(), step
         assert len(set(docs.tolist())) == len(docs)  # no repeats while the available share holds enough
     # At step 0: the ten shortest documents (a quarter of 40), whose lengths are 3..12.
     first = np.concatenate([batches.documents(0) for _ in range(1)])
     assert (e[first] - s[first] <= 12).all()
     # From the last step of the ramp on, every document once per epoch, as without a curriculum.
-    later = np.concatenate([batches.documents(i) for i in range(plan.steps, plan.steps + 40)])
+    steps = plan.plugin.options.steps
+    later = np.concatenate([batches.documents(i) for i in range(steps, steps + 40)])
     plain = RandomDocuments(tokens, starts, block_size=64, batch_size=6, seed=3)
-    assert np.array_equal(later, np.concatenate([plain.documents(i) for i in range(plan.steps, plan.steps + 40)]))
+    assert np.array_equal(later, np.concatenate([plain.documents(i) for i in range(steps, steps + 40)]))
 
 
 def test_the_order_is_a_function_of_the_seed_and_step_and_resumes_exactly():
@@ -61,7 +73,7 @@ def test_the_order_is_a_function_of_the_seed_and_step_and_resumes_exactly():
 
     def drawn(seed, start=0):
         batches = RandomDocuments(tokens, starts, 64, 6, seed, start=start, curriculum=plan)
-        return [batches.documents(i) for i in range(start, plan.steps + 2)]
+        return [batches.documents(i) for i in range(start, plan.plugin.options.steps + 2)]
 
     assert all(np.array_equal(a, b) for a, b in zip(drawn(1), drawn(1)))
     assert not all(np.array_equal(a, b) for a, b in zip(drawn(1), drawn(2)))
@@ -72,7 +84,7 @@ def test_replicas_and_accumulation_take_their_rows_of_the_single_device_batch():
     tokens, starts = corpus()
     plan = by_length(tokens, starts)
     whole = RandomDocuments(tokens, starts, 64, 8, seed=5, curriculum=plan)
-    for step in range(plan.steps):
+    for step in range(plan.plugin.options.steps):
         parts = []
         for micro in range(2):
             for replica in range(2):
@@ -87,8 +99,8 @@ def test_windows_start_inside_the_available_documents():
     plan = by_length(tokens, starts, start=0.1, steps=4)
     s, e = document_spans(tokens, starts)
     batches = RandomWindows(tokens, block_size=4, batch_size=64, seed=0, curriculum=plan, documents=(s, e))
-    for step in range(plan.steps):
-        allowed = plan.order[:plan.available(step)]
+    for step in range(plan.plugin.options.steps):
+        allowed = plan.order[:available(plan, step)]
         begin = batches._document_starts(step, 64)
         doc = np.searchsorted(s, begin, side="right") - 1
         assert np.isin(doc, allowed).all(), step
@@ -97,38 +109,8 @@ def test_windows_start_inside_the_available_documents():
         assert np.array_equal(rows, tokens[begin[:, None] + np.arange(5)].astype(np.int64))
 
 
-def test_rarity_is_the_mean_surprise_of_a_documents_tokens():
-    tokens = np.array([1, 1, 2, 3, 1, 1, 1, 2], dtype=np.uint16)
-    s, e = np.array([0, 2, 4]), np.array([2, 4, 8])
-    p = {1: 5 / 8, 2: 2 / 8, 3: 1 / 8}
-    expected = [np.mean([-math.log(p[t]) for t in tokens[a:b]]) for a, b in zip(s, e)]
-    assert rarity(tokens, s, e) == pytest.approx(expected)
-
-
 def _manifest(tmp_path, data: str, extra: str = "") -> str:
-    text = textwrap.dedent(f"""\
-        name = "curriculum"
-        {data}
-        [tokenizer]
-        use = "char"
-        [model]
-        n_layers = 1
-        n_heads = 2
-        d_model = 16
-        block_size = 16
-        [train]
-        max_steps = 4
-        batch_size = 4
-        eval_every = 4
-        eval_steps = 1
-        sample_tokens = 0
-        [tracker]
-        use = "none"
-        {extra}
-        """)
-    path = tmp_path / "m.toml"
-    path.write_text(text)
-    return str(path)
+    return small_char_manifest(tmp_path / "m.toml", f"{data}\n{extra}\n")
 
 
 def test_a_curriculum_start_outside_its_range_is_refused(tmp_path):
@@ -167,7 +149,7 @@ def test_a_run_with_a_curriculum_trains(tmp_path):
 
 
 def test_an_objectives_own_score_orders_the_documents():
-    """``curriculum = "objective"``: the order is the objective's score's, one entry per document of the
+    """``[order] use = "objective"``: the order is the objective's score's, one entry per document of the
     split (empty documents included, and left out of the order)."""
     from types import SimpleNamespace
 
@@ -185,9 +167,30 @@ def test_an_objectives_own_score_orders_the_documents():
 
     data = SimpleNamespace(train=tokens, split=lambda name: TokenSplit(
         name=name, tokens=tokens, loss_mask=None, document_starts=starts, tokenizer=None))
-    options = SimpleNamespace(curriculum="objective", curriculum_start=0.5, curriculum_steps=4,
-                              curriculum_pacing="linear")
     s, e = document_spans(tokens, starts)
     keep = np.diff(np.append(starts, len(tokens))) > 0
-    plan = build(options, data, Scored(), s, e, keep)
+    plan = build(ObjectiveScored(ObjectiveScored.Options(start=0.5, steps=4, pacing="linear")), data, Scored(), s, e,
+                 keep)
     assert plan.order.tolist() == list(range(len(s)))[::-1]
+
+
+def test_the_curriculum_reaches_every_document_by_the_end_of_the_run_by_default(tmp_path):
+    """Unset, ``curriculum_steps`` is the run's own ``max_steps`` (it was a fixed 1000, which a short run
+    never reached), written into the resolved manifest; one past ``max_steps`` is refused."""
+    from lmlab import manifest
+
+    lines = tmp_path / "docs.jsonl"
+    lines.write_text("".join('{"text": "ab"}\n' for _ in range(20)))
+    data = f'[data]\nuse = "jsonl"\npath = "{lines}"\ncurriculum = "length"'
+    (variant,) = manifest.load(_manifest(tmp_path, data))
+    assert variant.options("data").curriculum_steps == 4 and variant.manifest["data"]["curriculum_steps"] == 4
+    (variant,) = manifest.load(_manifest(tmp_path, data), ["train.max_steps=40"])
+    assert variant.options("data").curriculum_steps == 40
+    (plain,) = manifest.load(_manifest(tmp_path, f'[data]\nuse = "jsonl"\npath = "{lines}"'))
+    assert plain.options("data").curriculum_steps is None  # no curriculum: nothing to pace
+    for verb in ("check", "run"):
+        line = refused(run_cli(verb, _manifest(tmp_path, data + "\ncurriculum_steps = 5"), "--out",
+                               str(tmp_path / "runs")) if verb == "run" else
+                       run_cli(verb, _manifest(tmp_path, data + "\ncurriculum_steps = 5")), "data.curriculum_steps")
+        assert "train.max_steps = 4" in line
+    assert not (tmp_path / "runs").exists()

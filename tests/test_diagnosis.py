@@ -44,7 +44,54 @@ def test_out_of_memory_is_diagnosed_with_fixes_computed_for_the_run(tiny_manifes
     assert "saves" in fixes["train.checkpointing"]["text"] and " MB" in fixes["train.checkpointing"]["text"]
     # A smaller micro-batch, more accumulation: the same global batch of 4 sequences.
     micro = fixes["train.batch_size"]["value"]
-    assert micro in (1, 2) and f"train.grad_accum = {4 // micro}" in fixes["train.batch_size"]["text"]
+    assert micro in (1, 2) and fixes["train.batch_size"]["also"] == {"train.grad_accum": 4 // micro}
+
+
+def _oom_fixes(tiny_manifest, batch: int, accum: int, **facts) -> tuple[dict, str]:
+    """The out-of-memory fixes for the tiny model at ``batch`` × ``accum``: by key, and as printed."""
+    from lmlab.api.monitor import Diagnosis
+    from lmlab.diagnose import memory_fixes, render
+
+    (variant,) = manifest.load(tiny_manifest(), [f"train.batch_size={batch}", f"train.grad_accum={accum}"])
+    fixes = memory_fixes(variant, {"device": "cpu", **facts})
+    return {f.key: f for f in fixes if f.key}, render(Diagnosis("out-of-memory", "x", fixes=fixes).as_dict())
+
+
+def test_the_smaller_micro_batch_is_printed_with_its_accumulation_keeping_the_global_batch(tiny_manifest,
+                                                                                          monkeypatch):
+    # The run's own activation figure rather than the planner's, to set how far the batch must shrink.
+    monkeypatch.setattr("lmlab.diagnose._planned_activations", lambda variant: None)
+    # 160 × 1 with activations 8× what a quarter of the memory holds: a micro-batch of 20 and 8
+    # micro-batches per step, printed together (the micro-batch alone would shrink the step's batch 8×).
+    fixes, text = _oom_fixes(tiny_manifest, 160, 1, activation_bytes=8e9, capacity_bytes=4e9)
+    split = fixes["train.batch_size"]
+    assert (split.value, split.also) == (20, {"train.grad_accum": 8})
+    assert "--set train.batch_size=20 --set train.grad_accum=8" in text
+    # Halving 7: no divisor of 7 near 2, so the micro-batch rounds down to 3 and the accumulation to
+    # the nearest batch per step; at 7 × 3 that is 3 × 7, exact...
+    fixes, text = _oom_fixes(tiny_manifest, 7, 3, activation_bytes=8e9, capacity_bytes=16e9)
+    split = fixes["train.batch_size"]
+    assert (split.value, split.also) == (3, {"train.grad_accum": 7})
+    assert "--set train.batch_size=3 --set train.grad_accum=7" in text and "not divisible" not in split.text
+    # ...at 7 × 1 it is 3 × 2, and the fix says that the batch per step changes.
+    fixes, text = _oom_fixes(tiny_manifest, 7, 1, activation_bytes=8e9, capacity_bytes=16e9)
+    split = fixes["train.batch_size"]
+    assert split.value == 3 and split.also == {"train.grad_accum": 2}
+    assert "7 is not divisible by 2" in split.text and "6 sequences per optimizer step instead of 7" in split.text
+
+
+def test_a_sharded_layout_that_fits_is_named_with_its_plugin_options(tiny_manifest):
+    # What each installed parallel plugin offers to save memory, the first that the planner fits into
+    # these 4 GPUs: the plugin and its own option, not just the plugin's name.
+    pytest.importorskip("lmlab_deepspeed")
+    pytest.importorskip("lmlab_fsdp")
+    fixes, text = _oom_fixes(tiny_manifest, 4, 1, device="cuda:0", capacity_bytes=80e9, device_count=4)
+    layouts = [line for line in text.splitlines() if "--set parallel.use=" in line]
+    assert any('--set parallel.use="deepspeed" --set parallel.stage=1)' in line and "ZeRO stage 1" in line
+               for line in layouts), text
+    assert any('--set parallel.use="fsdp" --set parallel.reshard_after_forward=false)' in line
+               for line in layouts), text
+    assert all("over 4 GPUs" in line for line in layouts)
 
 
 def test_out_of_memory_on_the_host_is_recognised_from_the_allocator_message():
@@ -87,6 +134,23 @@ def test_doctor_on_a_finished_run_judges_its_health(tmp_path, capsys):
     assert verdicts["loss smoothness"]["verdict"] == "warning" and "1.000" in verdicts["loss smoothness"]["detail"]
     assert verdicts["data wait"]["verdict"] == "warning" and "70%" in verdicts["data wait"]["detail"]
     assert verdicts["MFU"]["detail"].startswith("median 31.0%")
+
+
+@pytest.mark.parametrize("mfu, verdict, says", [
+    (1.013, "implausible", "the peak FLOP/s estimate is too low"),  # no run beats the device's peak
+    (0.012, "low", "the device mostly waits"),
+    (0.31, "ok", "median 31.0%"),
+])
+def test_doctor_judges_mfu(tmp_path, capsys, mfu, verdict, says):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 40}))
+    lines = [{"step": i, "train_loss": 2.0, "grad_norm": 1.0, "data_wait": 0.01, "mfu": mfu * (1 + (i % 3 - 1) / 100)}
+             for i in range(1, 41)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["doctor", str(run_dir)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  MFU:")]
+    assert line.startswith(f"  MFU: {verdict}: median {mfu:.1%}") and says in line
 
 
 def test_doctor_refuses_a_folder_that_is_no_run(tmp_path, capsys):
@@ -189,5 +253,6 @@ def test_a_run_under_an_address_space_limit_fails_out_of_memory_with_a_split_tha
     assert fixes["train.checkpointing"]["value"] == "full"
     micro = fixes["train.batch_size"]["value"]
     assert 160 % micro == 0 and micro <= 40  # activations of a quarter of the limit at most
-    assert f"train.grad_accum = {160 // micro}" in fixes["train.batch_size"]["text"]
+    assert fixes["train.batch_size"]["also"] == {"train.grad_accum": 160 // micro}
     assert "diagnosis: out-of-memory" in done.stderr
+    assert f"--set train.batch_size={micro} --set train.grad_accum={160 // micro})" in done.stderr

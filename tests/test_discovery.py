@@ -3,6 +3,7 @@ without breaking the ones that work. Fake distributions are laid on PYTHONPATH a
 exactly as pip would install them."""
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -183,7 +184,9 @@ def test_a_plugin_that_failed_when_imported_is_marked_until_it_loads(site, tiny_
     fake_dist(site, "lmlab-flaky", "lmlab_flaky", "import os\nif os.environ.get('FLAKY'):\n"
               "    raise RuntimeError('told to fail')\nfrom lmlab_fake import Identity as Thing\n",
               {"lmlab.ffn": {"flaky": "lmlab_flaky:Thing"}})
-    assert "failed to load" not in cli(site, "plugins", "ffn").stdout  # nothing was imported yet
+    # Nothing was imported yet: flaky's source is sound (exits' lacks its class, which reading it shows).
+    listed = marks(cli(site, "plugins", "ffn").stdout)
+    assert listed["flaky"] == "" and listed["exits"] == "cannot load: lmlab_exiting has no Thing"
     for name, env in (("exits", {}), ("flaky", {"FLAKY": "1"})):
         assert cli(site, "check", str(tiny_manifest(f'[ffn]\nuse = "{name}"\n')), "-q", **env).returncode == 2
     found = marks(cli(site, "plugins", "ffn").stdout)
@@ -210,17 +213,26 @@ def test_an_unwritable_cache_folder_changes_nothing_but_speed(site, tiny_manifes
 
 
 def test_plugins_check_imports_every_plugin_and_names_each_that_fails(site):
+    fake_dist(site, "lmlab-raising", "lmlab_raising",
+              "raise RuntimeError('no GPU driver')\nfrom lmlab_fake import Identity as Thing\n",
+              {"lmlab.ffn": {"raises": "lmlab_raising:Thing"}})
+    # Its source is sound, and the listing imports no plugin: until something imports it, nothing
+    # can know that it raises (README, "lmlab plugins": only --check, or a run naming it, tells).
+    assert marks(cli(site, "plugins", "ffn").stdout)["raises"] == ""
     result = cli(site, "plugins", "--check")
     assert result.returncode == 1, result.stderr
     failing = {line.split("'")[1]: line for line in result.stdout.splitlines()
                if line.startswith(("ffn:", "attention:"))}
-    assert sorted(failing) == ["bad-hook", "broken", "gqa", "not-a-plugin", "old-api"]
+    assert sorted(failing) == ["bad-hook", "broken", "gqa", "not-a-plugin", "old-api", "raises"]
+    assert failing["raises"] == ("ffn: plugin 'raises' from lmlab-raising 0.3 failed to load "
+                                 "(lmlab_raising:Thing): RuntimeError: no GPU driver")
     assert "invalid hook implementation" in failing["bad-hook"] and "lmlab-fake 0.3" in failing["bad-hook"]
     assert "is not a subclass of lmlab.api.FFN" in failing["not-a-plugin"]
     assert "lmlab-rival" in failing["gqa"]  # each distribution's plugin, though two declare the name
     assert "fail" in result.stdout.splitlines()[-1]
     found = marks(cli(site, "plugins", "ffn").stdout)  # what --check learnt, the listing now shows
     assert found["bad-hook"].startswith("refused when last loaded: has an invalid hook implementation")
+    assert found["raises"] == "failed to load when last imported: RuntimeError: no GPU driver"
     assert found["zero"] == ""
 
 
@@ -299,3 +311,26 @@ def test_hooks_of_a_loaded_plugin_run_through_the_lifecycle(tmp_path, tiny_manif
     assert all(c["exists"] for c in calls if c["hook"] == "checkpoint_saved")
     records = [json.loads(line) for line in (tmp_path / "runs" / "default" / "metrics.jsonl").read_text().splitlines()]
     assert {r["step"]: r["doubled_step"] for r in records if "doubled_step" in r} == {1: 2, 2: 4, 3: 6, 4: 8}
+
+
+def test_a_reinstalled_plugin_loads_its_new_entry_point_not_a_cached_one(site, tiny_manifest, tmp_path):
+    """stevedore caches entry points on disk (~/.cache/python-entrypoints) under a hash of sys.path's
+    mtimes packed as 32-bit floats, which cannot tell times within about two minutes apart: a
+    reinstall that soon kept loading the old target. Discovery must load what is installed now."""
+    fake_dist(site, "lmlab-moving", "lmlab_moving", "from lmlab_fake import Identity as Old\n",
+              {"lmlab.ffn": {"moving": "lmlab_moving:Old"}})
+    info = site / "lmlab_moving-0.3.dist-info"
+    env = {"PYTHONPATH": str(site), "LMLAB_CACHE": str(tmp_path / "cache"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    manifest = str(tiny_manifest('[ffn]\nuse = "moving"\n'))
+    first = run_cli("check", manifest, "-q", env=env, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    # The reinstall: the class renamed, the entry point moved with it, within the same two minutes.
+    stamps = {p: (p.stat().st_atime, p.stat().st_mtime) for p in (site, info, info / "entry_points.txt")}
+    (site / "lmlab_moving" / "__init__.py").write_text("from lmlab_fake import Identity as New\n")
+    (info / "entry_points.txt").write_text("[lmlab.ffn]\nmoving = lmlab_moving:New\n")
+    for path, times in stamps.items():
+        os.utime(path, times)
+    again = run_cli("check", manifest, "-q", env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    listed = run_cli("plugins", "ffn", env=env, cwd=tmp_path)
+    assert "lmlab_moving:New" not in listed.stderr and marks(listed.stdout)["moving"] == ""

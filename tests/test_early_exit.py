@@ -14,7 +14,8 @@ from conftest import tiny_toml
 from lmlab import discovery
 from lmlab.api import MixerContext, ModelShape, UserError
 from lmlab.cli.main import main
-from lmlab.generation.batch import generate_texts, run_decoder
+from lmlab.generation.batch import generate_texts
+from lmlab.generation.token_ids import run_decoder
 from lmlab.generation.early_exit import EarlyExitDecoding, EarlyExitRow, teacher_forced
 from lmlab.generation.engine import make_engine
 from lmlab.generation.outputs import Outputs

@@ -135,7 +135,8 @@ def test_every_decoder_matches_a_loop_of_full_forwards(decoder):
 
 
 def test_sampling_runs_and_greedy_speculative_decoding_equals_greedy():
-    from lmlab.generation.batch import generate_ids, run_decoder
+    from lmlab.generation.batch import generate_ids
+    from lmlab.generation.token_ids import run_decoder
     from lmlab.generation.outputs import Outputs
 
     model = build("gqa", "learned", seed=4)

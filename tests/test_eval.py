@@ -9,7 +9,7 @@ from lmlab import discovery
 from lmlab.api import ModelShape, Record, Segment
 from lmlab.evaluate import answer_all, exact_match, split_record
 from lmlab.model import LanguageModel
-from support import run_cli
+from support import refused, run_cli
 
 
 class Chars:
@@ -123,3 +123,11 @@ use = "none"
     assert run_cli("eval", str(tmp_path), "--data", str(held)).returncode == 2
     missing = run_cli("eval", str(out / "default"), "--data", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr
+    # --out naming a folder, an empty --stop (generate refuses it too): one line, nothing written.
+    folder = tmp_path / "answers"
+    folder.mkdir()
+    refused(run_cli("eval", str(out / "default"), "--data", str(held), "--out", str(folder)), "--out")
+    assert not any(folder.iterdir())
+    written = tmp_path / "written.jsonl"
+    refused(run_cli("eval", str(out / "default"), "--data", str(held), "--stop", "", "--out", str(written)), "--stop")
+    assert not written.exists()

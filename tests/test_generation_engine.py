@@ -5,7 +5,7 @@ import torch
 
 from lmlab import discovery
 from lmlab.api import ModelShape
-from lmlab.generation.batch import generate_tensor
+from lmlab.generation.token_ids import generate_tensor
 from lmlab.generation.engine import Engine, RowEngine, make_engine
 from lmlab.generation.outputs import Outputs
 from lmlab.model import LanguageModel
@@ -47,7 +47,7 @@ def test_a_batch_of_prompts_of_different_lengths_equals_each_generated_alone(pos
     batch = prompts([3, 11, 6, 1, 17])
     engine = make_engine(model, len(batch), 17 + 20, cache=cache, block_size=4)
     outputs = Outputs(None, [20] * len(batch))
-    from lmlab.generation.batch import run_decoder
+    from lmlab.generation.token_ids import run_decoder
 
     for _ in run_decoder(greedy(), engine, batch, outputs):
         pass
@@ -140,7 +140,7 @@ def test_a_sequence_past_a_learned_table_slides_its_window_like_the_stepper():
     engine_out = alone(model, ids, 30)
     rows = RowEngine(model, 50)  # lmlab.api.Stepper's sliding window, row by row
     outputs = Outputs(None, [30])
-    from lmlab.generation.batch import run_decoder
+    from lmlab.generation.token_ids import run_decoder
 
     for _ in run_decoder(greedy(), rows, [ids], outputs):
         pass
@@ -171,7 +171,7 @@ def test_a_model_whose_attention_keeps_its_own_state_decodes_row_by_row_with_the
 def test_the_cuda_graph_decode_step_equals_the_eager_one():
     model = model_with("rope", n_kv_heads=2).cuda()
     batch = prompts([3, 11, 6])
-    from lmlab.generation.batch import run_decoder
+    from lmlab.generation.token_ids import run_decoder
 
     results = []
     for graph in (False, True):
@@ -188,7 +188,7 @@ def test_the_cuda_graph_decode_step_equals_the_eager_one():
 def test_the_compiled_decode_step_gives_the_eager_tokens():
     model = model_with("rope", n_kv_heads=2)
     batch = prompts([3, 11, 6])
-    from lmlab.generation.batch import run_decoder
+    from lmlab.generation.token_ids import run_decoder
 
     results = []
     for compiled in (False, True):

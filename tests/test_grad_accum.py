@@ -82,3 +82,8 @@ def test_each_variant_of_a_sweep_in_one_process_reports_its_own_peak_memory(tiny
                   for d in (384, 32))
     assert big - small > 100, (big, small)
     assert small > 0 and os.path.exists(tmp_path / "out" / "sweep.json")
+    # lmlab compare's legend says what was just measured: each variant's own peak, not the process's.
+    compared = run_cli("compare", str(tmp_path / "out"))
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    (legend,) = [line for line in compared.stdout.splitlines() if "peak MB:" in line]
+    assert "the variant's own peak" in legend and "cumulative over the variants" not in legend

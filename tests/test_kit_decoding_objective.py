@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.api import IGNORE_INDEX, Batch, Decoder, Field, Objective, Options, Stepper, UserError
+from lmlab.api import (IGNORE_INDEX, Batch, Decoder, DecodingOptions, Field, Objective, Options, Stepper,
+                       TokenDecoder, UserError)
 from lmlab.testing import ConformanceError
 from lmlab.testing.common import select_checks
 from lmlab.testing.decoding import CHECKS as DECODING_CHECKS
@@ -32,6 +33,10 @@ def failures(checks, subject) -> dict[str, str]:
 
 
 # -- decoders ---------------------------------------------------------------------------------------
+
+class TinyTokenOptions(DecodingOptions):
+    top_k: int | None = Field(None, ge=1, help="sample among the k most likely tokens (unset: all)")
+
 
 class TinyOptions(Options):
     top_k: int | None = Field(None, ge=1, help="sample among the k most likely tokens (unset: all)")
@@ -112,6 +117,35 @@ BROKEN_DECODERS = [
     (broken_decoder("crowd", choose=lambda self, logits, g, p: (logits + logits.mean(0)).argmax(-1)),
      "batch_independence", "of a batch of 4 prompts continues"),
 ]
+
+
+class TokenTopK(TokenDecoder):
+    """Top-k sampling as a TokenDecoder (API 1.17): each row with its own top_k and generator; correct."""
+
+    name = "token-top-k"
+    Options = TinyTokenOptions
+
+    def choose(self, logits, rows):
+        k = rows.values("top_k", logits.shape[-1], torch.long)
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        return rows.sample(logits.masked_fill(logits < kth, float("-inf")).softmax(-1))
+
+
+class SelfReading(TokenTopK):
+    """Reads the decoder's own options, so lmlab serve's requests could not set top_k: broken."""
+
+    name = "self-reading"
+
+    def choose(self, logits, rows):
+        k = self.options.top_k or logits.shape[-1]
+        kth = logits.topk(k, dim=-1).values[:, -1:]
+        return rows.sample(logits.masked_fill(logits < kth, float("-inf")).softmax(-1))
+
+
+def test_a_token_decoder_must_choose_each_row_with_that_rows_options():
+    check_decoding(TokenTopK)
+    found = failures(DECODING_CHECKS, DecodingSubject(SelfReading))
+    assert list(found) == ["per_row_options"] and "did not choose the argmax" in found["per_row_options"], found
 
 
 @pytest.mark.parametrize("options", [None, {"top_k": 1}, {"top_k": 3}])
@@ -268,8 +302,38 @@ BROKEN_OBJECTIVES = [
      "maps positions (2, 5) to int64 (2, 1)"),
 ]
 
+# Difficulty (API 1.10, data.curriculum = "objective"): a score per document, from the document alone.
 
-@pytest.mark.parametrize("plugin", [NextToken, Masked, Responses], ids=lambda p: p.name)
+
+def document_lengths(split):
+    return np.diff(np.append(split.document_starts, len(split.tokens))).astype(np.float64)
+
+
+class Scored(NextToken):
+    """Longer documents are harder: correct."""
+
+    name = "scored"
+
+    def difficulty(self, split):
+        return document_lengths(split)
+
+
+BROKEN_OBJECTIVES += [
+    (broken_objective(Scored, "by-rank", difficulty=lambda self, split: np.arange(
+        len(split.document_starts), dtype=np.float64)), "difficulty", "when given the documents in another order"),
+    (broken_objective(Scored, "relative", difficulty=lambda self, split: document_lengths(split)
+                      / document_lengths(split).max()), "difficulty", "when given the documents half of them"),
+    (broken_objective(Scored, "empty-is-nan", difficulty=lambda self, split: np.where(
+        document_lengths(split) > 10, document_lengths(split), np.nan)), "difficulty", "every score must be finite"),
+    (broken_objective(Scored, "noisy", difficulty=lambda self, split: document_lengths(split)
+                      + torch.rand(len(split.document_starts)).numpy()), "difficulty",
+     "drew from torch's global random state"),
+    (broken_objective(Scored, "per-token", difficulty=lambda self, split: np.ones(len(split.tokens))), "difficulty",
+     "must be a numeric numpy array of shape (n_documents,)"),
+]
+
+
+@pytest.mark.parametrize("plugin", [NextToken, Masked, Responses, Scored], ids=lambda p: p.name)
 def test_a_correct_small_objective_passes_and_leaves_the_callers_random_state_alone(plugin):
     rng = torch.get_rng_state()
     check_objective(plugin)

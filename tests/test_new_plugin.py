@@ -15,7 +15,7 @@ import pytest
 import tomli_w
 from jsonschema import Draft202012Validator
 
-from lmlab import scaffold
+from lmlab import scaffold, testing
 from lmlab.api import SLOT_BASES
 from lmlab.discovery import MANY_SLOTS
 from lmlab.testing import check_names
@@ -84,6 +84,26 @@ def test_every_api_slot_renders_to_a_distribution_that_imports_only_lmlab_api(sl
         if path.endswith(".py"):
             compile(text, path, "exec")
     assert "$" not in files["README.md"] + files["example.toml"]
+
+
+#: slot → what its generated tests call to run the slot's conformance kit
+KIT_CALLS = {slot: (f"check_{slot}(", "iter_checks(") for slot in testing.SLOTS} | {"peft": ("check_peft(",)}
+
+
+@pytest.mark.parametrize("slot", [slot for slot in SLOT_BASES if slot in KIT_CALLS])
+def test_the_generated_tests_of_a_slot_with_a_kit_run_the_kit(slot):
+    # That they pass as generated: test_generated_plugins_of_every_other_slot_pass_their_tests_...
+    tests = scaffold.render(scaffold.plan("my-thing", slot))["tests/test_lmlab_my_thing.py"]
+    assert any(call in tests for call in KIT_CALLS[slot]), slot
+
+
+def test_generated_plugins_use_the_current_api():
+    decoder = scaffold.render(scaffold.plan("my-thing", "decoding"))["src/lmlab_my_thing/my_thing.py"]
+    assert "class MyThingDecoder(TokenDecoder):" in decoder and "def generate" not in decoder  # served per row
+    attention = scaffold.render(scaffold.plan("my-thing", "attention"))["src/lmlab_my_thing/my_thing.py"]
+    assert "def kv_layout(self)" in attention and "ctx.key_mask" in attention  # batched, ragged decoding
+    filter_ = scaffold.render(scaffold.plan("my-thing", "filter"))["src/lmlab_my_thing/my_thing.py"]
+    assert "def keep(self, text: str)" in filter_ and "hookimpl" not in filter_
 
 
 def test_names_become_a_distribution_a_package_and_a_class():
@@ -164,6 +184,7 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     # A peft plugin names the layouts it works under (the generated one: single and ddp), which a
     # layout generated beside it cannot be among: the parallel plugin trains its own example.
     del manifest["parallel"]
+    del manifest["order"]  # it ranks documents, and the generated data source yields one: it trains its own example
     path = tmp_path / "all.toml"
     path.write_text(tomli_w.dumps(manifest))
     run = run_cli("run", str(path), "--out", str(tmp_path / "runs"), *SMALL, env={"PYTHONPATH": str(site)})
@@ -172,7 +193,7 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "completed"
     for slot in slots:
-        if slot not in ("parallel", "compress"):
+        if slot not in ("parallel", "compress", "order"):
             used = summary["plugins"][slot]
             assert (used[0] if slot in MANY_SLOTS else used)["distribution"] == f"lmlab-my-{slot}"
     assert 0 < summary["trainable_params"] < summary["params"] and summary["adapter_bytes"] > 0  # my-peft
@@ -181,6 +202,11 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     assert run.returncode == 0, run.stderr[-3000:]
     used = json.loads((tmp_path / "parallel" / "default" / "summary.json").read_text())["plugins"]["parallel"]
     assert used["distribution"] == "lmlab-my-parallel"
+    example = tmp_path / "gen" / "lmlab-my-order" / "example.toml"
+    run = run_cli("run", str(example), "--out", str(tmp_path / "order"), *SMALL, env={"PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    used = json.loads((tmp_path / "order" / "default" / "summary.json").read_text())["plugins"]["order"]
+    assert used["distribution"] == "lmlab-my-order"
     assert "my-monitor/loss_ema" in (folder / "metrics.jsonl").read_text()  # a hook of a many-valued slot
     assert (folder / "tracker.jsonl").is_file()  # the generated tracker
     compressed = tmp_path / "compressed"

@@ -129,7 +129,7 @@ class _Data:
 
 
 def datamodule(objective, data=None):
-    from lmlab.train.module import TokenDataModule
+    from lmlab.train.data_module import TokenDataModule
 
     dm = TokenDataModule(data or _Data(), 6, 4, 4, 2, seed=0, grad_accum=1, objective=objective)
     dm.trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace())

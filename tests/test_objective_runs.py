@@ -182,7 +182,8 @@ def test_an_init_with_heads_starts_a_plain_run_and_a_plain_init_starts_a_head(ru
 
 
 def test_generate_ids_continues_as_the_greedy_decoder_and_cuts_at_a_stop(runs):
-    from lmlab.generation.batch import generate_ids, generate_tensor
+    from lmlab.generation.batch import generate_ids
+    from lmlab.generation.token_ids import generate_tensor
     from lmlab.trained import load_run
 
     run = load_run(runs["base"])

@@ -381,3 +381,14 @@ def test_the_cache_key_changes_when_the_hf_tokenizer_file_at_the_same_path_does(
     assert pipeline.cache_key(variant) == before
     save({"<unk>": 0, "b": 1})
     assert pipeline.cache_key(variant) != before
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
+def test_a_shard_size_that_is_not_a_positive_number_is_one_line_and_exit_2(tmp_path, value):
+    from support import refused, run_cli
+
+    (tmp_path / "a.txt").write_text("hello world\n" * 100)
+    path = write_manifest(tmp_path, f'use = "text-file"\npath = "{tmp_path / "a.txt"}"')
+    result = run_cli("prepare", str(path), f"--shard-mb={value}", env={"LMLAB_CACHE": str(tmp_path / "cache")})
+    assert "positive number of MB" in refused(result, "--shard-mb")
+    assert not (tmp_path / "cache").exists()

@@ -5,8 +5,10 @@ be reached is bad input."""
 
 import json
 import os
+import pickle
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ import pytest
 from lmlab.prepare import pipeline
 from lmlab.prepare.dask_pool import DaskWorkers
 from lmlab.prepare.work import Worker
-from test_prepare import (encodings_manifest, files_of, kill_a_few_parts_in, needs_stdlib, quiet, variant_of,
+from test_prepare import (ENCODINGS, encodings_manifest, files_of, kill_a_few_parts_in, needs_stdlib, quiet, variant_of,
                           write_manifest)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -40,6 +42,52 @@ def test_two_dask_workers_give_shards_byte_identical_to_the_local_executor(tmp_p
     assert executor["workers"] == 2 and executor["scheduler"].startswith("tcp://")
     index = json.loads((dask / "index.json").read_text())
     assert len(index["shards"]["train"]) > 1 and index["filters"]["minhash-dedup"]["documents_dropped"] > 0
+
+
+@needs_stdlib
+def test_the_workers_read_the_source_and_this_process_only_plans(tmp_path, monkeypatch):
+    from lmlab_data.text_file import TextFile
+
+    variant = variant_of(encodings_manifest(tmp_path))
+    local = pipeline.prepare_corpus(variant, root=tmp_path / "local", workers=1, shard_mb=0.05, listener=quiet)
+
+    def refuse(self):
+        raise AssertionError("the client read the source")
+
+    # The workers are other processes: this reader is only this process's.
+    monkeypatch.setattr(TextFile, "documents", refuse)
+    sent = []
+    submit = __import__("distributed").Client.submit
+
+    def recording(client, fn, *args, **kwargs):
+        sent.append(len(pickle.dumps(args)))
+        return submit(client, fn, *args, **kwargs)
+
+    monkeypatch.setattr("distributed.Client.submit", recording)
+    events = []
+    dask = pipeline.prepare_corpus(variant, root=tmp_path / "dask", workers=2, shard_mb=0.05, executor="dask",
+                                   listener=lambda e, i: events.append((e, i)))
+    assert files_of(dask) == files_of(local)
+    assert not [info for event, info in events if event == "note"]
+    # What goes to the cluster is plans (file names, references to staged text), not the corpus.
+    corpus = sum(p.stat().st_size for p in ENCODINGS.glob("*.py"))
+    assert len(sent) > 10 and sum(sent) < corpus / 4 and max(sent) < 8 << 10, (sum(sent), max(sent), corpus)
+
+
+@needs_stdlib
+def test_a_source_that_cannot_be_cut_into_parts_is_read_here_with_a_note(tmp_path, monkeypatch):
+    from lmlab.api import DataSource
+    from lmlab_data.text_file import TextFile
+
+    variant = variant_of(encodings_manifest(tmp_path))
+    local = pipeline.prepare_corpus(variant, root=tmp_path / "local", workers=1, shard_mb=0.25, listener=quiet)
+    monkeypatch.setattr(TextFile, "parts", DataSource.parts)  # as a plugin written before API 1.16
+    events = []
+    dask = pipeline.prepare_corpus(variant, root=tmp_path / "dask", workers=2, shard_mb=0.25, executor="dask",
+                                   listener=lambda e, i: events.append((e, i)))
+    assert files_of(dask) == files_of(local)
+    (note,) = [info["text"] for event, info in events if event == "note"]
+    assert "'text-file' cannot be cut into parts" in note and "this process reads it" in note
 
 
 @needs_stdlib
@@ -100,6 +148,42 @@ def test_a_killed_dask_prepare_resumes_to_byte_identical_shards(tmp_path):
     assert "resuming an interrupted preparation" in resumed.stderr
     (done,) = (root / "tokens").iterdir()
     assert files_of(done) == files_of(tmp_path / "reference" / "tokens" / done.name)
+
+
+@needs_stdlib
+def test_a_dask_worker_killed_mid_prepare_is_survived_by_resuming_on_the_others(tmp_path):
+    import psutil
+
+    path = encodings_manifest(tmp_path)
+    local = pipeline.prepare_corpus(variant_of(path), root=tmp_path / "local", workers=1, shard_mb=0.05,
+                                    listener=quiet)
+    root = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "lmlab", "prepare", str(path), "--executor", "dask", "--workers",
+                                "2", "--shard-mb", "0.05"], env={**ENV, "LMLAB_CACHE": str(root)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:  # until the index has a checkpoint
+            states = list(root.glob("partial/*/state.json"))
+            try:
+                if states and len(json.loads(states[0].read_text())["parts"]) >= 2:
+                    break
+            except (json.JSONDecodeError, OSError):
+                pass
+            time.sleep(0.02)
+        # The local cluster's worker processes (each holds a shard of the deduplication index).
+        workers = [p for p in psutil.Process(process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2, [p.cmdline() for p in psutil.Process(process.pid).children()]
+        os.kill(workers[0].pid, signal.SIGKILL)
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert "a Dask worker holding part of the deduplication index was lost" in stderr, stderr[-3000:]
+    assert "resuming from the last checkpoint on the remaining workers" in stderr
+    assert files_of(root / "tokens" / local.name) == files_of(local)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -202,3 +286,21 @@ def test_the_index_partitioned_over_workers_decides_as_the_filter_alone_and_resu
         second.load_state_dict(state)
         got += decide(second, signatures[40:])
     assert got == expected
+
+
+def test_workers_lost_more_often_than_a_preparation_survives_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    from lmlab.cli.main import main
+    from lmlab.prepare.key_index import WorkerLost
+
+    def lost(*args, **kwargs):
+        raise WorkerLost("a Dask worker holding part of the deduplication index was lost (gone), 4 times; run the "
+                         "same command again to resume from the last checkpoint")
+
+    monkeypatch.setattr(pipeline, "prepare_corpus", lost)
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a.txt").write_text("hello world\n" * 100)
+    path = write_manifest(tmp_path, f'use = "text-file"\npath = "{tmp_path / "a.txt"}"')
+    assert main(["prepare", str(path), "--executor", "dask"]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("lmlab: error: a Dask worker holding part of the deduplication")
+    assert "run the same command again to resume" in errors[0]

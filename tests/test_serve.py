@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from support import ROOT, run_cli, start_cli, wait_for
+from support import ROOT, refused, run_cli, start_cli, wait_for
 
 MODEL = "tiny-chat"
 
@@ -88,15 +88,23 @@ def run(chat_run):
     return load_run(chat_run)
 
 
+def sampler():
+    """The sample plugin: requests' temperature, top_p and top_k are its options (0 is greedy)."""
+    from lmlab import discovery
+
+    return discovery.load("decoding", "sample")()
+
+
 def make_service(run, **settings):
     from lmlab.serve.service import Service
 
     settings.setdefault("template", run.plugins["data"].chat_template())
+    settings.setdefault("decoder", sampler())
     return Service(run.model, run.tokenizer, model_id=MODEL, data_name="alpaca", **settings)
 
 
 @contextlib.contextmanager
-def serving(service):
+def serving(service, api_key: str | None = None):
     """The app on a free port of 127.0.0.1 in a background thread; yields its base URL."""
     import uvicorn
 
@@ -104,13 +112,14 @@ def serving(service):
 
     sock = listen("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning"))
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=5, headers=auth).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -174,15 +183,16 @@ def test_health_and_models_list_the_one_model(server):
 def test_a_streamed_completion_joins_to_the_plain_one(server):
     service, url = server
     c = client(url)
-    # 80 new tokens after a 20-token prompt: past the 64-token context, where the engine slides.
-    plain = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=80, temperature=0)
+    # As many new tokens as the 64-token context leaves after the prompt: up to its last position.
+    prompt_tokens = len(service.encode(PROMPTS[0]))
+    room = 64 - prompt_tokens
+    plain = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=room, temperature=0)
     assert plain.object == "text_completion" and plain.model == MODEL
     (choice,) = plain.choices
     assert choice.index == 0 and choice.finish_reason == "length" and choice.text
-    prompt_tokens = len(service.encode(PROMPTS[0]))
     assert (plain.usage.prompt_tokens, plain.usage.completion_tokens, plain.usage.total_tokens) == \
-        (prompt_tokens, 80, prompt_tokens + 80)
-    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=80, temperature=0, stream=True))
+        (prompt_tokens, room, 64)
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=room, temperature=0, stream=True))
     assert len(chunks) > 10 and all(ch.object == "text_completion" for ch in chunks)
     assert "".join(ch.choices[0].text for ch in chunks) == choice.text
     assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
@@ -207,13 +217,13 @@ def test_the_event_stream_is_data_lines_ending_with_done_and_can_carry_usage(ser
 def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
     service, url = server
     c = client(url)
-    text = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0).choices[0].text
+    text = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=25, temperature=0).choices[0].text
     stop = text[4:6]  # two characters: streamed, the first must be held back until it is not a stop
     cut = text[:text.find(stop)]
     for stops in (stop, [stop, "zzz"]):
-        done = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stops)
+        done = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=25, temperature=0, stop=stops)
         assert (done.choices[0].text, done.choices[0].finish_reason) == (cut, "stop")
-        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stops,
+        chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=25, temperature=0, stop=stops,
                                            stream=True))
         assert "".join(ch.choices[0].text for ch in chunks) == cut
         assert chunks[-1].choices[0].finish_reason == "stop"
@@ -237,9 +247,9 @@ def test_sampling_at_temperature_one_gives_text_of_the_asked_length(server):
 def test_concurrent_requests_each_get_their_text_alone_and_are_decoded_together(server):
     service, url = server
     c = client(url)
-    max_tokens = 40
-    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
-             for p in PROMPTS]
+    room = [64 - len(service.encode(p)) for p in PROMPTS]  # each request fills the context
+    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0).choices[0].text
+             for p, n in zip(PROMPTS, room)]
     assert len(set(alone)) > 1
     stats = service.scheduler.stats
     steps, largest = stats.steps, stats.largest_batch
@@ -251,27 +261,36 @@ def test_concurrent_requests_each_get_their_text_alone_and_are_decoded_together(
         own = client(url)
         start.wait()
         if i % 2:  # half of them streamed
-            chunks = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+            chunks = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=room[i], temperature=0,
                                             stream=True)
             together[i] = "".join(ch.choices[0].text for ch in chunks)
         else:
-            together[i] = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens,
+            together[i] = own.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=room[i],
                                                  temperature=0).choices[0].text
 
     concurrently(ask, len(PROMPTS))
     assert together == alone
     assert stats.largest_batch > 1
-    # Alone, 16 requests of 40 tokens take 16 x 39 decode steps; together far fewer than the tokens made.
-    assert stats.steps - steps < len(PROMPTS) * max_tokens / 2, (stats.steps - steps, stats.largest_batch)
+    # Alone, the 16 requests take a decode step per token but their first; together far fewer.
+    assert stats.steps - steps < sum(room) / 2, (stats.steps - steps, stats.largest_batch)
 
 
 def test_a_request_joins_the_running_batch_and_a_closed_stream_frees_its_row(run):
     service = make_service(run, max_batch=4)
+    scheduler = service.scheduler
+    step = scheduler.engine.step
+
+    def paced(*args):
+        time.sleep(0.05)  # a long request fills the context in ~1.3 s, not ~30 ms: still running when looked at
+        return step(*args)
+
+    scheduler.engine.step = paced
     with serving(service) as url:
         c = client(url)
-        scheduler = service.scheduler
         short_alone = c.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=5, temperature=0).choices[0].text
-        body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 1_000_000, "temperature": 0, "stream": True}
+        room = 64 - len(service.encode(PROMPTS[4]))
+        body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": room, "temperature": 0, "stream": True}
+        finished = scheduler.stats.finished
         with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as long:
             lines = long.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
@@ -282,14 +301,14 @@ def test_a_request_joins_the_running_batch_and_a_closed_stream_frees_its_row(run
             assert scheduler.running == 1 and scheduler.stats.largest_batch == 2
             assert scheduler.stats.steps > steps
             assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-        # The client went away: its row is given back and decoding stops.
+        # The client went away: its row is given back and decoding stops, the request unfinished.
         deadline = time.monotonic() + 30
         while scheduler.running and time.monotonic() < deadline:
             time.sleep(0.02)
         assert scheduler.running == 0 and scheduler.engine.rows_free == 4
         made = scheduler.stats.tokens
         time.sleep(0.2)
-        assert scheduler.stats.tokens == made < 1_000_000
+        assert scheduler.stats.tokens == made and scheduler.stats.finished == finished + 1  # the short one only
         # A client that stops waiting for a plain (not streamed) answer frees its row too.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
@@ -297,6 +316,7 @@ def test_a_request_joins_the_running_batch_and_a_closed_stream_frees_its_row(run
         while (scheduler.running or scheduler.stats.tokens == made) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert scheduler.running == 0 and scheduler.stats.tokens > made
+        assert scheduler.stats.finished == finished + 1
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 
 
@@ -307,12 +327,13 @@ def test_the_paged_cache_admits_only_what_its_free_blocks_can_hold(run):
     prompts = PROMPTS[:6]
     with serving(service) as url:
         c = client(url)
-        alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=50, temperature=0).choices[0].text
-                 for p in prompts]
+        room = [64 - len(service.encode(p)) for p in prompts]
+        alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0).choices[0].text
+                 for p, n in zip(prompts, room)]
         together: list = [None] * len(prompts)
 
         def ask(i: int) -> None:
-            together[i] = client(url).completions.create(model=MODEL, prompt=prompts[i], max_tokens=50,
+            together[i] = client(url).completions.create(model=MODEL, prompt=prompts[i], max_tokens=room[i],
                                                          temperature=0).choices[0].text
 
         concurrently(ask, len(prompts))
@@ -356,11 +377,12 @@ def test_a_model_without_a_shared_cache_is_served_row_by_row_with_the_same_text(
     shape = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=32, vocab_size=10)
     plugins = {slot: discovery.load(slot, name)() for slot, name in
                (("attention", "mamba"), ("position", "none"), ("ffn", "mlp"))}
-    service = Service(LanguageModel(shape, **plugins).eval(), Chars("abcdefgh \n"), model_id="m", max_batch=4)
+    service = Service(LanguageModel(shape, **plugins).eval(), Chars("abcdefgh \n"), model_id="m", max_batch=4,
+                      decoder=sampler())
     assert type(service.scheduler.engine).__name__ == "RowEngine" and service.context == 32
 
     def complete(prompts: list[str]) -> list[str]:
-        jobs = [service.scheduler.submit(service.completion_job(CompletionRequest(model="m", prompt=p, max_tokens=40,
+        jobs = [service.scheduler.submit(service.completion_job(CompletionRequest(model="m", prompt=p, max_tokens=25,
                                                                                   temperature=0)))
                 for p in prompts]
         deadline = time.monotonic() + 60
@@ -446,7 +468,16 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": "5"}, 400, "max_tokens", None),
     ("completions", {"model": MODEL, "prompt": "Say", "n": 2}, 400, "n", None),
     ("completions", {"model": MODEL, "prompt": "Say", "temperature": "hot"}, 400, "temperature", None),
-    ("completions", {"model": MODEL, "prompt": "Say", "temperature": 3}, 400, "temperature", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "temperature": -1}, 400, "temperature", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "top_k": 0}, 400, "top_k", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "seed": 2**64}, 400, "seed", None),
+    # a field that is no option of the server's decoder (sample) is refused naming it, never ignored
+    ("completions", {"model": MODEL, "prompt": "Say", "min_p": 0.1}, 400, "min_p", "unknown_parameter"),
+    ("completions", {"model": MODEL, "prompt": "Say", "presence_penalty": 0.5}, 400, "presence_penalty",
+     "unknown_parameter"),
+    ("completions", {"model": MODEL, "prompt": "Say", "cache": "paged"}, 400, "cache", "unknown_parameter"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "min_p": 0.1}, 400,
+     "min_p", "unknown_parameter"),
     ("completions", {"model": MODEL, "prompt": "Say", "top_p": 1.5}, 400, "top_p", None),
     ("completions", {"model": MODEL, "prompt": "Say", "stop": ""}, 400, "stop", None),
     ("completions", {"model": MODEL, "prompt": "Say", "stop": ["\n", ""]}, 400, "stop", None),
@@ -466,6 +497,16 @@ BAD = [
     ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}], "stream": True}, 404,
      "model", "model_not_found"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", None),
+    # max_tokens past what the context leaves: refused, not decoded for ever (10**30 is a valid JSON integer)
+    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": 10**30}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": 62}, 400, "max_tokens", "context_length_exceeded"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Say"}], "max_tokens": 10**30},
+     400, "max_tokens", "context_length_exceeded"),
+    # nested past what json (RecursionError) or pydantic parse, and a body bigger than any prompt that fits
+    ("completions", b"[" * 100_000 + b"]" * 100_000, 400, None, "invalid_json"),
+    ("completions", b'{"model": "x", "stop": ' + b"[" * 500 + b"]" * 500 + b"}", 400, None, "invalid_json"),
+    ("completions", b'{"model": "x", "prompt": "' + b"a" * (1 << 20) + b'"}', 413, None, "request_too_large"),
 ]
 
 
@@ -500,45 +541,163 @@ def test_the_openai_client_sees_refusals_as_its_own_errors(server):
 # -- sampling -------------------------------------------------------------------------------------------
 
 
-def test_each_row_is_sampled_with_its_own_temperature_and_top_p():
-    from lmlab.serve.sampling import choose
+def test_a_seed_makes_a_request_reproducible_whatever_is_decoded_beside_it(server):
+    _, url = server
+    c = client(url)
 
-    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).repeat(4, 1)
-    logits[3] = torch.log(torch.tensor([0.5, 0.2, 0.3]))  # row 3's most likely token is 0
-    temperature = torch.tensor([0.0, 1.0, 1.0, 0.0])
-    top_p = torch.tensor([1.0, 1.0, 0.5, 0.3])
-    generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([choose(logits, temperature, top_p, generator) for _ in range(3000)])  # (N, 4)
-    assert (draws[:, 0] == 1).all() and (draws[:, 3] == 0).all()  # temperature 0: the argmax
-    assert (draws[:, 2] == 1).all()  # top_p 0.5: the nucleus is the 0.6 token alone
-    shares = torch.bincount(draws[:, 1], minlength=3) / len(draws)
-    assert torch.allclose(shares, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
-    # temperature sharpens: at 0.5 the 0.6 token takes 0.36 / (0.01 + 0.36 + 0.09) of the mass
-    sharp = torch.stack([choose(logits[1:2], torch.tensor([0.5]), torch.tensor([1.0]), generator)
-                         for _ in range(3000)])
-    assert abs((sharp == 1).float().mean().item() - 0.36 / 0.46) < 0.03
+    def ask(seed: int) -> str:
+        return c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=1.5,
+                                    seed=seed).choices[0].text
+
+    alone = ask(11)
+    beside: list[str] = []
+    noise = threading.Thread(target=lambda: concurrently(lambda i: ask(100 + i), 3))
+    noise.start()
+    beside.append(ask(11))
+    noise.join(120)
+    assert beside == [alone] and ask(11) == alone
+    assert len({alone, *(ask(s) for s in (12, 13, 14))}) > 1  # the seed is what fixed it
+    # neutral OpenAI fields and nulls ask for nothing
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=1.5, seed=11,
+                                presence_penalty=0, frequency_penalty=0, extra_body={"top_k": None}
+                                ).choices[0].text == alone
 
 
 # -- the command --------------------------------------------------------------------------------------
 
 
-def test_lmlab_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(chat_run, tmp_path):
+def test_lmlab_serve_prints_its_url_answers_and_exits_130_on_ctrl_c_without_a_traceback(chat_run, tmp_path):
     assert run_cli("serve", str(tmp_path)).returncode == 2  # not a run folder
-    proc = start_cli("serve", str(chat_run), "--port", "0", "--model-name", "mine", "--max-batch", "4",
-                     stdout=subprocess.PIPE)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    try:
-        wait_for(lambda: any("http://" in line for line in lines), proc, timeout=120, what="the URL")
-        base = next(line for line in lines if "http://" in line).split()[2]
-        assert base.startswith("http://127.0.0.1:") and base.endswith("/v1")
-        assert [m.id for m in openai.OpenAI(base_url=base, api_key="unused").models.list()] == ["mine"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    before = {f: f.read_bytes() for f in chat_run.rglob("*") if f.is_file()}
+    # Three times (a traceback came in one run of two): streams in flight when Ctrl-C comes, one
+    # run keyed by the environment, one by the flag; the key never shows in output or the run folder.
+    for attempt, (args, env) in enumerate([((), {}), ((), {"LMLAB_API_KEY": "k-env-31337"}),
+                                           (("--api-key", "k-flag-31337"), {})]):
+        key = args[1] if args else env.get("LMLAB_API_KEY")
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        proc = start_cli("serve", str(chat_run), "--port", "0", "--model-name", "mine", "--max-batch", "4", *args,
+                         env=env, stdout=subprocess.PIPE)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        try:
+            wait_for(lambda: any("http://" in line for line in lines), proc, timeout=120, what="the URL")
+            base = next(line for line in lines if "http://" in line).split()[2]
+            assert base.startswith("http://127.0.0.1:") and base.endswith("/v1")
+            assert [m.id for m in openai.OpenAI(base_url=base, api_key=key or "unused").models.list()] == ["mine"]
+            if key:
+                assert httpx.get(f"{base}/models", timeout=10).status_code == 401
+            stop = threading.Event()
+
+            def ask() -> None:  # streams until Ctrl-C, at most 30 requests or 60 s
+                deadline = time.monotonic() + 60
+                for _ in range(30):
+                    if stop.is_set() or time.monotonic() > deadline:
+                        return
+                    with contextlib.suppress(httpx.HTTPError):
+                        httpx.post(f"{base}/completions", headers=auth, timeout=30, json={
+                            "model": "mine", "prompt": "Say", "max_tokens": 60, "stream": True})
+
+            askers = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
+            for t in askers:
+                t.start()
+            time.sleep(0.3 + 0.2 * attempt)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 130
+            stop.set()
+            err = proc.stderr.read()
+            assert "Traceback" not in err and "lmlab: interrupted (Ctrl-C)" in err, err[-3000:]
+            if key:
+                assert key not in err and key not in "".join(lines)
+            for t in askers:
+                t.join(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    after = {f: f.read_bytes() for f in chat_run.rglob("*") if f.is_file()}
+    assert after == before  # serving writes nothing into the run, the keys least of all
+
+
+def test_a_scheduler_that_stopped_refuses_late_and_unstarted_requests_at_once(run):
+    # What hung a stream past uvicorn's graceful shutdown (then a traceback): a request submitted
+    # after the loop ended, or left in its inbox, never heard back.
+    import asyncio
+
+    service = make_service(run, max_batch=2)
+    scheduler = service.scheduler
+    from lmlab.serve.protocol import CompletionRequest
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [service.completion_job(CompletionRequest(model=MODEL, prompt="Say", max_tokens=5)) for _ in range(2)]
+        for job in jobs:
+            job.loop, job.events = loop, asyncio.Queue()
+        scheduler.stop()  # no thread to join: only queues the stop
+        scheduler.submit(jobs[0])  # behind the stop: never taken
+        await loop.run_in_executor(None, scheduler.run)
+        scheduler.submit(jobs[1])  # after the loop ended
+        return [await asyncio.wait_for(job.events.get(), timeout=10) for job in jobs]
+
+    assert asyncio.run(main()) == [("error", "the server is shutting down")] * 2
+
+
+def test_a_job_past_the_context_is_never_submitted(run):
+    from lmlab.serve.protocol import CompletionRequest
+
+    service = make_service(run, max_batch=2)
+    job = service.completion_job(CompletionRequest(model=MODEL, prompt="Say", max_tokens=61))
+    assert len(job.ids) + job.max_tokens == service.context == 64
+    job.max_tokens = 62
+    with pytest.raises(ValueError, match="context"):
+        service.scheduler.submit(job)
+
+
+def test_a_key_guards_every_route_and_is_compared_in_full(run):
+    with serving(make_service(run, max_batch=2), api_key="s3cret") as url:
+        for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"),
+                             ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/nothing")):
+            for headers in ({}, {"Authorization": "Bearer s3cre"}, {"Authorization": "Bearer s3cret2"},
+                            {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}):
+                response = httpx.request(method, f"{url}{path}", headers=headers, timeout=10,
+                                         json={"model": MODEL, "prompt": "Say", "max_tokens": 1})
+                assert response.status_code == 401, (path, headers, response.text)
+                error = response.json()["error"]
+                assert error["code"] == "invalid_api_key" and set(error) == {"message", "type", "param", "code"}
+                assert response.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(f"{url}/health", headers={"Authorization": "bearer s3cret"}).json() == {"status": "ok"}
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert keyed.completions.create(model=MODEL, prompt="Say", max_tokens=3).usage.completion_tokens == 3
+        chunks = list(keyed.completions.create(model=MODEL, prompt="Say", max_tokens=3, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_listening_beyond_this_machine_without_a_key_warns():
+    from lmlab.serve.app import exposure_warning
+
+    for host in ("127.0.0.1", "127.0.0.5", "localhost", "::1", "[::1]"):
+        assert exposure_warning(host, None) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.20"):
+        warning = exposure_warning(host, None)
+        assert "\n" not in warning and host in warning and "--api-key" in warning and "LMLAB_API_KEY" in warning
+        assert exposure_warning(host, "k") is None
+
+
+def test_bad_serve_options_are_refused_in_one_line_before_anything_starts(chat_run):
+    refused(run_cli("serve", str(chat_run), "--port", "0", "--max-batch", str(10**9)), "--max-batch")
+    refused(run_cli("serve", str(chat_run), "--port", "0", "--api-key", ""), "--api-key")
+    refused(run_cli("serve", str(chat_run), "--port", "0", "--api-key", "two words"), "--api-key")
+
+
+def test_the_cache_estimate_is_what_the_engine_allocates(run):
+    from lmlab.serve.memory import cache_bytes
+
+    for cache, n_blocks in (("paged", None), ("paged", 5), ("contiguous", None)):
+        service = make_service(run, max_batch=3, cache=cache, n_blocks=n_blocks)
+        store = service.scheduler.store
+        allocated = sum(t.nbytes for t in [*store.k, *store.v])
+        assert cache_bytes(run.model, 3, service.context, cache, 16, n_blocks) == allocated > 0, cache
 
 
 def test_plugins_and_check_import_nothing_of_the_server():
@@ -551,3 +710,99 @@ def test_plugins_and_check_import_nothing_of_the_server():
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "IMPORTED []"
+
+
+# -- the decoding slot --------------------------------------------------------------------------------
+
+MIN_P = '''
+"""Min-p sampling (Nguyen et al. 2024, https://arxiv.org/abs/2407.01082), written against lmlab.api only."""
+
+from lmlab.api import DecodingOptions, Field, TokenDecoder
+
+
+class MinPOptions(DecodingOptions):
+    temperature: float = Field(1.0, gt=0, help="divides the logits before the cut")
+    min_p: float = Field(0.1, ge=0, le=1, help="keep the tokens at least this share as likely as the most likely")
+
+
+class MinP(TokenDecoder):
+    Options = MinPOptions
+
+    def choose(self, logits, rows):
+        probs = (logits / rows.values("temperature")[:, None]).softmax(dim=-1)
+        floor = rows.values("min_p")[:, None] * probs.amax(dim=-1, keepdim=True)
+        return rows.sample(probs.masked_fill(probs < floor, 0.0))
+'''
+
+
+def test_a_third_party_min_p_decoder_is_what_lmlab_serve_decodes_with(chat_run, server, tmp_path):
+    from test_discovery import fake_dist
+
+    site = tmp_path / "site"
+    fake_dist(site, "lmlab-min-p", "lmlab_min_p", MIN_P, {"lmlab.decoding": {"min-p": "lmlab_min_p:MinP"}})
+    _, url = server
+    greedy = [client(url).completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0).choices[0].text
+              for p in PROMPTS[:3]]
+    proc = start_cli("serve", str(chat_run), "--port", "0", "--model-name", MODEL, "--set", "decoding.use=min-p",
+                     "--set", "decoding.temperature=2.0", stdout=subprocess.PIPE,
+                     env={"PYTHONPATH": str(site), "XDG_CACHE_HOME": str(tmp_path / "xdg")})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any("http://" in line for line in lines), proc, timeout=120, what="the URL")
+        assert "by 'min-p'; requests may set temperature, min_p" in "".join(lines)
+        c = openai.OpenAI(base_url=next(line for line in lines if "http://" in line).split()[2], api_key="unused",
+                          max_retries=0, timeout=60)
+
+        def ask(prompt: str, **fields) -> str:
+            return c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, extra_body=fields).choices[0].text
+
+        # min_p 1.0 keeps only the most likely token: greedy, whatever the seed or the server's temperature
+        assert [ask(p, seed=5, min_p=1.0) for p in PROMPTS[:3]] == greedy
+        assert ask(PROMPTS[0], seed=6, min_p=1.0, temperature=0.5) == greedy[0]
+        # min_p 0.0 samples the whole distribution (at the server's --set temperature 2.0): not greedy, but seeded
+        sampled = [ask(p, seed=5, min_p=0.0) for p in PROMPTS[:3]]
+        assert sampled != greedy and [ask(p, seed=5, min_p=0.0) for p in PROMPTS[:3]] == sampled
+        # the sample plugin's top_p is no option of min-p: refused naming it
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask(PROMPTS[0], top_p=0.5)
+        assert bad.value.param == "top_p" and "'min-p'" in bad.value.message and "min_p" in bad.value.message
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask(PROMPTS[0], min_p=1.5)
+        assert bad.value.param == "min_p"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["decoding.use=beam"], "decoding.use"),
+    (["decoding.use=speculative", "decoding.draft={run}", "decoding.temperature=0"], "decoding.use"),
+    (["decoding.cuda_graph=true"], "decoding.cuda_graph"),
+    (["decoding.compile=true"], "decoding.compile"),
+    (["decoding.exit_threshold=0.5"], "decoding.exit_threshold"),
+    (["decoding.use=sample", "decoding.temprature=0.5"], "decoding.temprature"),
+], ids=lambda v: v if isinstance(v, str) else v[-1])
+def test_serve_refuses_decoding_settings_it_cannot_honour_in_one_line(chat_run, overrides, key):
+    args = [a for o in overrides for a in ("--set", o.format(run=chat_run))]
+    line = refused(run_cli("serve", str(chat_run), "--port", "0", *args), key)
+    assert "Traceback" not in line
+
+
+def test_the_decoding_cache_set_for_serve_takes_effect_or_is_refused(chat_run):
+    from lmlab.serve.decoding import engine_settings
+    from lmlab.trained import load_run
+
+    options = load_run(chat_run, ["decoding.cache=contiguous", "decoding.block_size=8"]).plugins["decoding"].options
+    # the run's recorded cache (contiguous, the generate default) does not override serve's paged default...
+    assert engine_settings(options, [], None) == {"cache": "paged", "block_size": 8}
+    assert engine_settings(options, [], "contiguous")["cache"] == "contiguous"
+    # ...but --set decoding.cache does, and must agree with --cache
+    assert engine_settings(options, ["decoding.cache=contiguous"], None)["cache"] == "contiguous"
+    refused(run_cli("serve", str(chat_run), "--port", "0", "--cache", "paged", "--set", "decoding.cache=contiguous"),
+            "--cache")

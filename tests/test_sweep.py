@@ -47,6 +47,51 @@ def sweep_manifest(tiny_manifest):
     return path
 
 
+@pytest.mark.parametrize("extra, key, owners", [
+    # momentum is sgd's and muon's; neither is swept, so no variant could use it
+    ('[optimizer]\nmomentum = 0.9\n[sweep]\n"optimizer.use" = ["lion", "adafactor"]\n', "optimizer.momentum",
+     "'muon', 'sgd'"),
+    # a pipeline option, on a sweep of parallel plugins none of which runs a pipeline
+    ('[parallel]\nschedule = "gpipe"\n[sweep]\n"parallel.use" = ["ddp", "fsdp"]\n', "parallel.schedule",
+     "'3d', 'pipeline'"),
+])
+def test_an_option_of_no_plugin_the_sweep_uses_is_refused_as_in_a_single_run(tiny_manifest, tmp_path, extra, key,
+                                                                                owners):
+    from support import refused
+
+    path = tiny_manifest(extra)
+    line = refused(run_cli("check", str(path), "-q"), key)
+    assert line.endswith(owners) and "unknown option" in line
+    refused(run_cli("run", str(path), "--out", str(tmp_path / "out")), key)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_option_of_one_swept_optimizer_applies_where_it_fits_with_a_note_elsewhere(tiny_manifest):
+    from lmlab import manifest
+
+    path = tiny_manifest('[optimizer]\nmomentum = 0.8\n[sweep]\n"optimizer.use" = ["sgd", "lion"]\n')
+    result = run_cli("check", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("# note: optimizer.momentum does not apply to optimizer plugin 'lion'; ignored") == 1
+    sgd, lion = manifest.load(path)
+    assert sgd.options("optimizer").momentum == 0.8 and not sgd.notes
+    assert "momentum" not in lion.slots["optimizer"].table()
+
+
+def test_bad_input_only_the_data_shows_stops_a_sweep_with_exit_status_2(tiny_manifest, tmp_path):
+    from support import refused
+
+    # The validation split (6,000 characters) holds no window of 8,000: known once the data is prepared.
+    path = tiny_manifest('[sweep]\n"model.block_size" = [16, 8000]\n', steps=2, eval_every=2)
+    result = run_cli("run", str(path), "--out", str(tmp_path / "out"), "--set", "train.sample_tokens=0")
+    line = refused(result, "model.block_size")
+    assert line.endswith("(variant model.block_size=8000)") and "fewer than a window" in line
+    assert not (tmp_path / "out" / "model.block_size=8000" / "summary.json").exists()
+    # The variant that trained keeps its sweep index, so lmlab compare still finds it.
+    assert (tmp_path / "out" / "model.block_size=16" / "summary.json").is_file()
+    assert (tmp_path / "out" / "sweep.json").is_file()
+
+
 def test_a_killed_sweep_run_again_completes_every_variant_once(sweep_manifest, tmp_path):
     out = tmp_path / "runs"
     args = ("run", str(sweep_manifest), "--out", str(out), "--set", "train.sample_tokens=0")

@@ -6,22 +6,27 @@ then checks itself against the shape, the other plugins and this machine (``Plug
 and the model is built once on the meta device, where the core refuses a bidirectional objective with
 an attention plugin that attends one way only, a plugin's ``build`` refuses what its options cannot
 do with the shape, and plugins that need the modules (PEFT targets, tensor-parallel plans) look at
-them. Nothing here allocates a tensor's memory, reads
-the data or fits a tokenizer: a tokenizer that learns its vocabulary from the data leaves the
-vocabulary unknown here, and what depends on it is checked when the run starts.
+them. Nothing here allocates a tensor's memory. The data is read only when a setting depends on
+the vocabulary a tokenizer learns from it (``model.vocab_size``, a ``train.sample_prompt`` you set):
+then the tokenizer is fitted through the token cache, which the run reuses; otherwise such a
+vocabulary stays unknown here (a stand-in size).
 """
 
 from lmlab import objective_runs
 from lmlab.api import CheckContext, UserError
 from lmlab.assemble import assemble
+from lmlab.config import TrainOptions
+
+DEFAULT_SAMPLE_PROMPT = TrainOptions.model_fields["sample_prompt"].default
 
 
 def run(variant, machine: bool = True) -> CheckContext:
     """Run every check of ``variant``; returns the context the plugins saw."""
     import torch
 
-    built = assemble(variant, model=False, vocabulary_unknown_ok=True)
-    plugins = built.plugins
+    plugins = {slot: variant.instantiate(slot) for slot in variant.slots}
+    fit = _needs_fitted_tokenizer(variant, plugins)
+    built = assemble(variant, model=False, data=fit, vocabulary_unknown_ok=not fit, plugins=plugins)
     if plugins.get("compress"):
         # A [compress] table records how a run folder's weights were compressed (lmlab compress); training
         # from it would silently ignore it.
@@ -48,10 +53,43 @@ def run(variant, machine: bool = True) -> CheckContext:
     for value in plugins.values():
         for plugin in value if isinstance(value, list) else [value]:
             plugin.check(context)
+    if built.tokenizer is not None:
+        check_sample_prompt(variant.train, plugins["objective"], built.tokenizer)
     _check_objective_runs_model(variant, plugins)
-    _check_curriculum(variant, plugins["objective"])
+    _check_curriculum(variant, plugins.get("order"), plugins["objective"])
     objective_runs.check(variant, plugins["objective"], built.tokenizer)
     return context
+
+
+def _samples_prompt(train, objective) -> bool:
+    """Whether the closing sample starts from a prompt the user chose. The default one (a line break)
+    may not encode (a corpus without any): then only the sample is lost, with a warning at the end."""
+    return bool(train.sample_tokens) and objective.causal and train.sample_prompt != DEFAULT_SAMPLE_PROMPT
+
+
+def _needs_fitted_tokenizer(variant, plugins) -> bool:
+    """Whether a setting can only be checked against the vocabulary the tokenizer learns from the data:
+    ``model.vocab_size`` (it must hold that vocabulary) or a chosen sample prompt (it must encode)."""
+    from lmlab.assemble import knows_vocabulary
+
+    if knows_vocabulary(plugins["tokenizer"]):
+        return False
+    return bool(variant.model.vocab_size) or _samples_prompt(variant.train, plugins["objective"])
+
+
+def check_sample_prompt(train, objective, tokenizer) -> None:
+    """A prompt the user chose for the closing sample must encode: found out now, not after training."""
+    if not _samples_prompt(train, objective):
+        return
+    try:
+        ids = tokenizer.encode(train.sample_prompt)
+    except (UserError, ValueError, KeyError) as exc:
+        raise UserError(f"{train.sample_prompt!r} cannot be encoded by the run's tokenizer "
+                        f"({str(exc).split(': ', 1)[-1]}); change the prompt, or set train.sample_tokens = 0",
+                        key="train.sample_prompt") from None
+    if len(ids) == 0:
+        raise UserError("encodes to no tokens, and a sample needs at least one to continue from",
+                        key="train.sample_prompt")
 
 
 def _check_objective_runs_model(variant, plugins) -> None:
@@ -102,11 +140,11 @@ def _without_random_init():
     return WithoutRandomInit()
 
 
-def _check_curriculum(variant, objective) -> None:
-    """``data.curriculum = "objective"`` needs an objective that scores documents."""
+def _check_curriculum(variant, order, objective) -> None:
+    """A data order that scores by the objective's difficulty needs an objective that gives one."""
     from lmlab.api import Objective
+    from lmlab.train.curriculum import order_key
 
-    if getattr(variant.options("data"), "curriculum", "none") == "objective" \
-            and type(objective).difficulty is Objective.difficulty:
-        raise UserError(f"objective {objective.name!r} gives no difficulty score (Objective.difficulty); use length "
-                        "or rarity", key="data.curriculum")
+    if order is not None and order.uses_difficulty and type(objective).difficulty is Objective.difficulty:
+        raise UserError(f"objective {objective.name!r} gives no difficulty score (Objective.difficulty); order "
+                        f"{order.name!r} needs one: use length or rarity", key=order_key(variant))

@@ -31,7 +31,8 @@ HEARTBEAT_DIR = ".ranks"
 
 def diagnose(exc: BaseException, variant=None, run_dir: Path | None = None, facts: dict | None = None) -> Diagnosis:
     """What ended the run. ``facts``: what the run knew when it failed (``step``, ``lr``,
-    ``activation_bytes``, ``device``, ``first_nonfinite``)."""
+    ``activation_bytes``, ``device``, ``first_nonfinite``; ``capacity_bytes`` and ``device_count``
+    to diagnose against other than this machine's)."""
     facts = facts or {}
     manifest = variant.manifest if variant is not None else {}
     if isinstance(exc, RunFailed):
@@ -123,6 +124,10 @@ def out_of_memory(exc: BaseException, variant, facts: dict) -> Diagnosis:
     elif facts.get("stage"):
         evidence.append(facts["stage"])
     facts = {**facts, "capacity_bytes": facts.get("capacity_bytes") or capacity_bytes("cuda" if on_gpu else "cpu")}
+    if on_gpu and not facts.get("device_count"):
+        import torch
+
+        facts["device_count"] = torch.cuda.device_count()
     fixes = memory_fixes(variant, facts) if variant is not None else []
     if facts["capacity_bytes"]:
         evidence.append(f"{where} memory: {_mb(facts['capacity_bytes'])}")
@@ -131,7 +136,8 @@ def out_of_memory(exc: BaseException, variant, facts: dict) -> Diagnosis:
 
 def memory_fixes(variant, facts: dict) -> list[Fix]:
     """Fixes computed for this run: an activation-checkpointing policy and what it saves (from the
-    planner), a micro-batch × grad_accum split that keeps the global batch, and a layout that fits."""
+    planner), a micro-batch × grad_accum split that keeps the global batch, and on GPUs
+    (``facts["device_count"]``) each parallel plugin's first layout that fits them."""
     train = variant.train
     fixes = []
     saved = _planned_activations(variant)
@@ -146,29 +152,37 @@ def memory_fixes(variant, facts: dict) -> list[Fix]:
                              "train.checkpointing", "full"))
     if train.batch_size > 1:
         act = saved.get(train.checkpointing) if saved else facts.get("activation_bytes")
-        k = _split(train.batch_size, act, facts.get("capacity_bytes"))
-        micro = train.batch_size // k
-        note = f" (activations about {_mb(act / k)} instead of {_mb(act)})" if act else ""
-        fixes.append(Fix(f"a micro-batch {k}× smaller and {k}× the accumulation, the same global batch of "
-                         f"{train.batch_size * train.grad_accum} sequences{note}; set both "
-                         f"train.batch_size = {micro} and train.grad_accum = {train.grad_accum * k}",
-                         "train.batch_size", micro))
-    layout = _fitting_layout(variant, facts)
-    if layout is not None:
-        fixes.append(layout)
+        fixes.append(_smaller_micro_batch(train.batch_size, train.grad_accum, act, facts.get("capacity_bytes")))
+    if facts.get("capacity_bytes") and facts.get("device_count"):  # a GPU's: sharding over several may fit
+        fixes.extend(_fitting_layouts(variant, facts["capacity_bytes"], facts["device_count"]))
     return fixes
 
 
-def _split(batch: int, activations: float | None, capacity: float | None) -> int:
-    """The smallest divisor k of ``batch`` (2 at least) that brings one micro-batch's activations
-    under a quarter of the memory there is (what is left for weights, states and the rest)."""
-    divisors = [k for k in range(2, batch + 1) if batch % k == 0]
-    if not divisors:
-        return 1
-    for k in divisors:
-        if not activations or not capacity or activations / k <= capacity / 4:
-            return k
-    return divisors[-1]
+def _smaller_micro_batch(batch: int, accum: int, activations: float | None, capacity: float | None) -> Fix:
+    """A micro-batch small enough that its activations take a quarter of the memory at most (what
+    is left holds weights, states and the rest), with the accumulation that keeps ``batch × accum``
+    sequences per optimizer step: a smaller micro-batch alone would shrink the step's batch and change
+    the training. A divisor of ``batch`` keeps it exactly; where none is near, the micro-batch rounds
+    down and the accumulation to the nearest step batch, and the fix says what that changes."""
+    need = 2  # shrink at least 2×: the current micro-batch did not fit
+    if activations and capacity:
+        need = max(need, math.ceil(activations / (capacity / 4)))
+    need = min(need, batch)
+    per_step = batch * accum
+    # A divisor up to twice the shrink needed: a micro-batch at least half the size that would fit.
+    k = next((k for k in range(need, min(batch, 2 * need) + 1) if batch % k == 0), None)
+    micro = batch // k if k else batch // need
+    new_accum = max(1, round(per_step / micro))
+    shrink = batch / micro
+    note = f", activations about {_mb(activations / shrink)} instead of {_mb(activations)}" if activations else ""
+    if micro * new_accum == per_step:
+        what = (f"a micro-batch {shrink:.3g}× smaller and {new_accum / accum:.3g}× the accumulation: the same "
+                f"{per_step} sequences (batch_size × grad_accum) per optimizer step{note}")
+    else:
+        what = (f"a micro-batch of {micro}, {new_accum} per optimizer step{note}; {batch} is not divisible by "
+                f"{need}: {micro * new_accum} sequences per optimizer step instead of {per_step} (scale the "
+                "learning rate by as much, or pick another split)")
+    return Fix(what, "train.batch_size", micro, also={"train.grad_accum": new_accum})
 
 
 def capacity_bytes(device: str) -> float | None:
@@ -207,30 +221,36 @@ def _planned_activations(variant) -> dict | None:
     return out
 
 
-def _fitting_layout(variant, facts: dict) -> Fix | None:
-    """The first ZeRO stage (then FSDP) that the planner says fits this machine's GPUs."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
+def _fitting_layouts(variant, capacity: float, count: int) -> list[Fix]:
+    """For each installed parallel plugin, the first of its
+    [memory_savings][lmlab.api.parallel.Parallel.memory_savings] that the planner fits into ``count``
+    GPUs of ``capacity`` bytes (with a tenth to spare), as the plugin and its options to set."""
     from lmlab import discovery
     from lmlab.plan.measure import plan_variant
 
-    capacity = torch.cuda.get_device_properties(0).total_memory
-    count = torch.cuda.device_count()
-    for name, options in (("deepspeed", {"stage": 1}), ("deepspeed", {"stage": 2}), ("deepspeed", {"stage": 3}),
-                          ("fsdp", {})):
+    current = variant.slots.get("parallel")
+    fixes = []
+    for name in sorted({info.name for info in discovery.installed().get("parallel", [])}):
         try:
             cls = discovery.load("parallel", name, key="parallel.use")
-            candidate = variant.with_plugin("parallel", cls, cls.Options(devices=count, **options))
-            plan = plan_variant(candidate, world_size=count)
-        except Exception:  # noqa: BLE001 - not installed, or not plannable: try the next
+            savings = cls.memory_savings()
+        except Exception:  # noqa: BLE001 - a plugin that cannot load here suggests nothing
             continue
-        if plan.device.total <= 0.9 * capacity:
-            what = f"ZeRO stage {options['stage']}" if name == "deepspeed" else "FSDP"
-            return Fix(f"{what} over {count} GPUs: the planner puts the peak at {_mb(plan.device.total)} of "
-                       f"{_mb(capacity)} per device (lmlab plan says more)", "parallel.use", name)
-    return None
+        for what, options in savings:
+            if current is not None and current.plugin is cls and all(
+                    getattr(current.options, key, None) == value for key, value in options.items()):
+                continue  # the layout that ran out
+            try:
+                candidate = variant.with_plugin("parallel", cls, cls.Options(devices=count, **options))
+                peak = plan_variant(candidate, world_size=count).device.total
+            except Exception:  # noqa: BLE001 - not plannable for this variant: try the next
+                continue
+            if peak <= 0.9 * capacity:
+                fixes.append(Fix(f"{what}, over {count} GPUs: the planner puts the peak at {_mb(peak)} of "
+                                 f"{_mb(capacity)} per device (lmlab plan says more)", "parallel.use", name,
+                                 also={f"parallel.{key}": value for key, value in options.items()}))
+                break
+    return fixes
 
 
 def _mb(nbytes) -> str:
@@ -344,7 +364,9 @@ def render(diagnosis: dict) -> str:
     lines = [f"diagnosis: {diagnosis['kind']}: {diagnosis['cause']}"]
     lines += [f"  evidence: {line}" for line in diagnosis.get("evidence", [])]
     for fix in diagnosis.get("fixes", []):
-        where = f" (--set {fix['key']}={_toml(fix['value'])})" if fix.get("key") else ""
+        settings = {fix["key"]: fix["value"], **fix.get("also", {})} if fix.get("key") else {}
+        where = " (" + " ".join(f"--set {key}={_toml(value)}" for key, value in settings.items()) + ")" \
+            if settings else ""
         lines.append(f"  fix: {fix['text']}{where}")
     return "\n".join(lines)
 

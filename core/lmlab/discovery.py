@@ -124,17 +124,22 @@ def _import(info: PluginInfo, key: str):
 
     failures: dict[str, BaseException] = {}  # target → why it failed to import
 
-    def ours(_namespace, _name, extensions):  # two distributions declare the name: `plugins --check`
-        return next((e for e in extensions if e.entry_point.value == info.target), extensions[0])
+    class _Installed(driver.DriverManager):
+        """stevedore, given the one entry point installed now. Its own listing comes from a disk cache
+        keyed on sys.path's mtimes packed as 32-bit floats (two minutes apart look equal), so a
+        plugin reinstalled with a new target kept loading the old one; ``installed()`` reads the
+        distributions' metadata afresh. One entry point: two distributions declaring the name
+        (``plugins --check``) each load their own."""
+
+        def list_entry_points(self):
+            return [md.EntryPoint(info.name, info.target, self.namespace)]
 
     try:
-        manager = driver.DriverManager(
-            f"{GROUP_PREFIX}{info.slot}", info.name, invoke_on_load=False, conflict_resolver=ours,
+        manager = _Installed(
+            f"{GROUP_PREFIX}{info.slot}", info.name, invoke_on_load=False,
             on_load_failure_callback=lambda _mgr, ep, exc: failures.setdefault(ep.value, exc),
             on_missing_entrypoints_callback=lambda names: None)
-        if manager.extensions[0].entry_point.value == info.target:
-            return manager.driver
-        raise LookupError(f"no entry point {info.target!r} loaded")  # the other distribution's did
+        return manager.driver
     # stevedore reports a failed import as "no match": show the real cause. SystemExit too: a plugin
     # module that calls sys.exit() when imported is broken like any other, not a reason to stop.
     except (Exception, SystemExit) as exc:

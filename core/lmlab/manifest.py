@@ -33,6 +33,9 @@ class Point:
     settings: dict[str, Any] = field(default_factory=dict)  # the [sweep] keys set at this point
     switched: set[str] = field(default_factory=set)  # slots whose plugin an override or the sweep changed
     explicit: list[str] = field(default_factory=list)  # dotted keys the user set (not the defaults)
+    # slot → every plugin the manifest gives it: its table's own `use`, a --set, the sweep's values.
+    # A switched slot drops (with a note) only the options one of these has; the rest are refused.
+    uses: dict[str, set[str]] = field(default_factory=dict)
 
 
 def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True) -> list:
@@ -53,7 +56,7 @@ def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True)
     merged = _deep_merge(defaults(), raw)
     # What the user set, as opposed to the defaults: [init] refuses only values the user gave that
     # contradict the init (lmlab.pretrained); the sweep's keys are added per variant.
-    base = Point(explicit=_dotted_keys(raw))
+    base = Point(explicit=_dotted_keys(raw), uses=_uses(merged, {}))  # the file's own, before --set
     for item in overrides:
         key, value = _parse_override(item)
         if _set_dotted(merged, key, value, source=f"--set {item}"):
@@ -62,6 +65,7 @@ def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True)
     sweep = merged.pop("sweep", {})
     if not isinstance(sweep, dict):
         raise UserError("must be a table of dotted keys to lists", key="sweep")
+    base.uses = _uses(merged, sweep, base.uses)
     base_dir = path.resolve().parent
     variants = [validate_variant(name, manifest, base_dir, point) for name, manifest, point in _expand(merged, sweep, base)]
     peer_keys = tuple(sorted({key for v in variants for key in _dotted_keys(v.manifest)}))
@@ -72,6 +76,31 @@ def defaults() -> dict:
     """What a manifest gets for what it leaves out: the seed, and each slot's default plugin (names
     only: a plugin's options default in its own Options class)."""
     return {"seed": DEFAULT_SEED, **{slot: {"use": plugin} for slot, plugin in DEFAULT_PLUGINS.items()}}
+
+
+def _uses(tree: dict, sweep: dict, uses: dict | None = None) -> dict[str, set[str]]:
+    """slot → the plugin names ``tree`` (a manifest's tables) and the ``[sweep]`` give it, added to
+    ``uses``. Malformed values are left for validation to name."""
+    uses = {slot: set(names) for slot, names in (uses or {}).items()}
+
+    def add(key: str, value) -> None:
+        if "." not in key and isinstance(value, dict):  # a whole table per point
+            key, value = f"{key}.use", value.get("use")
+        slot, _, option = key.partition(".")
+        if option == "use" and isinstance(value, str):
+            uses.setdefault(slot, set()).add(value)
+
+    for slot, table in tree.items():
+        if slot in SLOTS and isinstance(table, dict):
+            add(f"{slot}.use", table.get("use"))
+    for key, values in sweep.items():
+        for value in values if isinstance(values, list) else ():
+            if key == LINKED and isinstance(value, dict):
+                for sub, linked in value.items():
+                    add(sub, linked)
+            elif key != LINKED:
+                add(key, value)
+    return uses
 
 
 def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
@@ -159,7 +188,7 @@ def _expand(merged: dict, sweep: dict, base: Point):
     for values in grid:
         for seed in seeds or [None]:
             manifest = copy.deepcopy(merged)
-            point = Point(switched=set(base.switched), explicit=list(base.explicit))
+            point = Point(switched=set(base.switched), explicit=list(base.explicit), uses=base.uses)
             parts = []
             for key, value in zip(axes, values):
                 # A `linked` entry is one point of several keys at once, e.g. a learning rate tuned

@@ -73,11 +73,13 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         run = path.parent.parent
         if path.suffix != ".ckpt" or path.parent.name != "checkpoints" or not (run / "manifest.toml").is_file():
             raise refuse("is a file, but not a checkpoint of a run folder (<run>/checkpoints/<name>.ckpt)")
+        _check_finished(run, refuse)
         _check_readable(path, refuse)
         return Source(path, RUN, run, (path,), _run_tokenizer(run, refuse))
     if not path.is_dir():
         raise refuse("no such run folder, checkpoint or Hugging Face folder")
     if (path / "manifest.toml").is_file():
+        _check_finished(path, refuse)
         found = [path / "checkpoints" / name for name in
                  (("best.ckpt", "last.ckpt") if checkpoint == "best" else ("last.ckpt",))]
         found = [p for p in found if p.is_file()]
@@ -134,6 +136,15 @@ def _interop(kind: str):
     from lmlab.interop import llama
 
     return llama
+
+
+def _check_finished(run: Path, refuse) -> None:
+    """A half-written lmlab compress output is no init: its weights may be cut short."""
+    from lmlab.compress.restore import unfinished
+
+    why = unfinished(run)
+    if why is not None:
+        raise refuse(why)
 
 
 def _check_readable(checkpoint: Path, refuse) -> None:

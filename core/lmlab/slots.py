@@ -28,6 +28,7 @@ TABLE = (
     Slot("attention", "Attention", default="mha"),
     Slot("ffn", "FFN", default="mlp"),
     Slot("objective", "Objective", default="causal-lm"),
+    Slot("order", "Order"),  # none named: uniform draws, as the first-party `uniform`
     Slot("optimizer", "Optimizer", default="adamw"),
     Slot("parallel", "Parallel", default="single"),
     Slot("peft", "Peft"),

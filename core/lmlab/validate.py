@@ -79,25 +79,34 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, point) -> Varia
         if slot in MANY_SLOTS:
             slots[slot] = _many(slot, table, base_dir)
         else:
-            slots[slot] = _single(slot, table, base_dir, slot in switched, notes)
+            others = point.uses.get(slot, set()) if slot in switched else set()
+            slots[slot] = _single(slot, table, base_dir, slot in switched, notes, others)
     resolved = derive(tables["train"], tables["model"], slots.get("optimizer"), slots.get("parallel"))
     if "resolved" in manifest:
         _check_resolved(manifest["resolved"], resolved, tables["train"], tables["model"], base_dir)
     notes += _rule_notes(tables["train"], tables["model"], resolved)
     train = _resolve_train(tables["train"], slots.get("optimizer"), resolved)
+    if "data" in slots:
+        slots["data"] = _resolve_curriculum(slots["data"], train.max_steps)
+    _resolve_order(slots, train.max_steps, base_dir)
     return Variant(variant_name, experiment=name, seed=seed, description=description, model=tables["model"],
                    train=train, resolved=resolved, slots=slots, base_dir=base_dir, init=init, init_source=source,
                    sweep=dict(point.settings) if point is not None else {}, notes=tuple(notes))
 
 
-def _single(slot: str, table: dict, base_dir: Path, switched: bool, notes: list[str]) -> Choice:
+def _single(slot: str, table: dict, base_dir: Path, switched: bool, notes: list[str],
+            others: set[str] = frozenset()) -> Choice:
+    """``switched``: the sweep or a --set changed the slot's plugin; an option the plugin lacks is then
+    dropped with a note when one of ``others`` (every plugin the manifest gives the slot) has it, and
+    refused like any unknown option when none does: it could act in no variant."""
     use = table["use"]
     if not isinstance(use, str):
         raise UserError(f"must name one plugin, got {use!r}", key=f"{slot}.use")
     cls = discovery.load(slot, use, key=f"{slot}.use")
     values = {k: v for k, v in table.items() if k != "use"}
     if switched:
-        dropped = sorted(set(values) - set(cls.Options.model_fields))
+        fields = [_fields(slot, name) for name in sorted(others - {use})]
+        dropped = sorted(k for k in set(values) - set(cls.Options.model_fields) if any(k in f for f in fields))
         for key in dropped:
             del values[key]
             notes.append(f"{slot}.{key} does not apply to {slot} plugin {use!r}; ignored")
@@ -107,6 +116,15 @@ def _single(slot: str, table: dict, base_dir: Path, switched: bool, notes: list[
         if exc.message.startswith("unknown option") and exc.key:
             raise UserError(exc.message + _owners(slot, use, exc.key.split(".")[-1]), key=exc.key) from None
         raise
+
+
+def _fields(slot: str, name: str) -> set[str]:
+    """The options of ``slot`` plugin ``name``; none for a name that does not load (the variant that
+    uses it is refused for it)."""
+    try:
+        return set(discovery.load(slot, name).Options.model_fields)
+    except Exception:  # noqa: BLE001 - a UserError, or a broken plugin that its own variant reports
+        return set()
 
 
 def _owners(slot: str, use: str, option: str) -> str:
@@ -133,6 +151,9 @@ def _many(slot: str, table: dict, base_dir: Path) -> tuple[Choice, ...]:
         uses = [uses]
     if not isinstance(uses, list) or not all(isinstance(u, str) for u in uses):
         raise UserError("must be a list of plugin names", key=f"{slot}.use")
+    twice = next((u for i, u in enumerate(uses) if u in uses[:i]), None)
+    if twice is not None:  # one [slot.<name>] table for both: the second copy could only repeat the first
+        raise UserError(f"names {twice!r} twice; list each plugin once", key=f"{slot}.use")
     extra = set(table) - {"use", *uses}
     if extra:
         key = sorted(extra)[0]
@@ -200,6 +221,46 @@ def _check_resolved(given, derived, train, model, base_dir: Path) -> None:
                 or abs(value - want) > 1e-9 * max(1.0, abs(want)):
             raise UserError(f"{value!r} contradicts {why[key]} = {want!r}; [resolved] is written by lmlab from "
                             "those rules: remove it, or change the rule's own keys", key=f"resolved.{key}")
+
+
+def _resolve_curriculum(data: Choice, max_steps: int) -> Choice:
+    """``data.curriculum_steps`` unset stands for the whole run; one past ``train.max_steps`` would
+    end the run before the hardest documents are ever drawn, so it is refused rather than trained."""
+    steps = getattr(data.options, "curriculum_steps", None)
+    if getattr(data.options, "curriculum", "none") == "none":
+        return data
+    if steps is None:
+        return Choice(data.plugin, data.options.model_copy(update={"curriculum_steps": max_steps}))
+    if steps > max_steps:
+        raise UserError(f"{steps} is past train.max_steps = {max_steps}: the run would end before training draws "
+                        "from the hardest documents; leave it unset (the whole run) or lower it",
+                        key="data.curriculum_steps")
+    return data
+
+
+def _resolve_order(slots: dict, max_steps: int, base_dir: Path) -> None:
+    """``data.curriculum = "<name>"`` (API 1.10) is the older spelling of ``[order] use = "<name>"``
+    with the ``data.curriculum_*`` pacing: it becomes that [order] table, so old manifests train
+    exactly as before and the run records the slot. ``order.steps`` unset stands for the whole run."""
+    data, order = slots.get("data"), slots.get("order")
+    kind = getattr(data.options, "curriculum", "none") if data is not None else "none"
+    if kind != "none" and order is not None and order.plugin.name != kind:
+        raise UserError(f"{kind!r} contradicts [order] use = {order.plugin.name!r}; data.curriculum is the older "
+                        "spelling of [order] use: give one of them", key="data.curriculum")
+    if kind != "none" and order is None:
+        cls = discovery.load("order", kind, key="data.curriculum")
+        old = data.options
+        pacing = {"start": old.curriculum_start, "steps": old.curriculum_steps, "pacing": old.curriculum_pacing}
+        order = Choice(cls, validate_options(cls.Options, pacing, "data", base_dir, plugin=kind))
+    if order is None:
+        return
+    steps = getattr(order.options, "steps", None)
+    if steps is None and "steps" in type(order.options).model_fields:
+        order = Choice(order.plugin, order.options.model_copy(update={"steps": max_steps}))
+    elif steps is not None and steps > max_steps:
+        raise UserError(f"{steps} is past train.max_steps = {max_steps}: the run would end before training draws "
+                        "from the hardest documents; leave it unset (the whole run) or lower it", key="order.steps")
+    slots["order"] = order
 
 
 def _resolve_train(train, optimizer: Choice | None, resolved=None):

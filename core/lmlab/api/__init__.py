@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.compress import Calibration, Compressor
     from lmlab.api.cache import InferenceCache, KVCache, LayerState
     from lmlab.api.data import ChatTemplate, DataOptions, DataSource, Document, Record, Segment, document_text
-    from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper
+    from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper, TokenDecoder, TokenRows
     from lmlab.api.errors import UserError
     from lmlab.api.ffn import FFN, FFNModule
     from lmlab.api.filter import Filter
@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.objective import Objective, TokenSplit, Vocabulary
     from lmlab.api.optimizer import Optimizer, OptimizerOptions, ParamInfo
     from lmlab.api.options import Field, Options
+    from lmlab.api.order import Order, OrderOptions, TrainingDocuments
     from lmlab.api.parallel import LaunchOptions, Parallel, loss_scaling, resolve_devices
     from lmlab.api.peft import Peft, module_roles, resolve_roles
     from lmlab.api.plugin import Plugin
@@ -78,6 +79,8 @@ _EXPORTS = {
     "Engine": "lmlab.api.decoding",
     "Outputs": "lmlab.api.decoding",
     "Stepper": "lmlab.api.decoding",
+    "TokenDecoder": "lmlab.api.decoding",
+    "TokenRows": "lmlab.api.decoding",
     "UserError": "lmlab.api.errors",
     "FFN": "lmlab.api.ffn",
     "FFNModule": "lmlab.api.ffn",
@@ -103,6 +106,9 @@ _EXPORTS = {
     "ParamInfo": "lmlab.api.optimizer",
     "Field": "lmlab.api.options",
     "Options": "lmlab.api.options",
+    "Order": "lmlab.api.order",
+    "OrderOptions": "lmlab.api.order",
+    "TrainingDocuments": "lmlab.api.order",
     "LaunchOptions": "lmlab.api.parallel",
     "Parallel": "lmlab.api.parallel",
     "loss_scaling": "lmlab.api.parallel",

@@ -109,11 +109,13 @@ class DataOptions(Options):
                               "(replay against forgetting while fine-tuning; API 1.4)")
     curriculum: Literal["none", "length", "rarity", "objective"] = Field(
         "none", help="order training documents from easy to hard (API 1.10): by length in tokens, by token rarity "
-                     "(mean -log unigram frequency), or by the objective's own difficulty score; none: uniform")
+                     "(mean -log unigram frequency), or by the objective's own difficulty score; none: uniform. "
+                     "The older spelling of [order] use = \"<name>\" (API 1.17), paced by the curriculum_* options")
     curriculum_start: float = Field(
         0.2, gt=0, le=1, help="share of the training documents, the easiest, that training draws from at step 0")
-    curriculum_steps: int = Field(
-        1000, ge=1, help="the step from which training draws from every document (the share grows until then)")
+    curriculum_steps: int | None = Field(
+        None, ge=1, help="the step from which training draws from every document (the share grows until then); "
+                         "unset: train.max_steps, the whole run")
     curriculum_pacing: Literal["linear", "root"] = Field(
         "root", help="how the share grows: linear, or root (sqrt; Platanios et al. 2019's competence, which adds "
                      "hard documents sooner)")
@@ -177,11 +179,40 @@ class DataSource(Plugin):
         configured, without reading any data. Default None: completions only."""
         return None
 
+    def parts(self, size: int) -> list | None:
+        """The corpus cut into pieces that other processes read on their own (API 1.16), so that a
+        Dask preparation (``lmlab prepare --executor dask``) reads it on the workers and this
+        process only plans.
+
+        Called in the main process on the instance whose fingerprint is in the cache key; it must
+        not read the documents (a file list and sizes are fine).
+
+        Args:
+            size: About how many bytes of source each piece should hold.
+
+        Returns:
+            Small picklable descriptions (file names, byte ranges), in corpus order, such that
+            [documents_in][lmlab.api.data.DataSource.documents_in] of each, one after another,
+            yields exactly what [documents][lmlab.api.data.DataSource.documents] yields. Default
+            None: the source cannot be cut, and the main process reads it.
+        """
+        return None
+
+    def documents_in(self, part) -> Iterable[Document]:
+        """The documents of one piece from [parts][lmlab.api.data.DataSource.parts] (API 1.16), in
+        order. Called in a worker process, on a new instance with the same options, once per piece;
+        [stats][lmlab.api.data.DataSource.stats] is then asked for that piece's counts, which the
+        preparation sums over the pieces.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cuts its corpus into parts but cannot read one")
+
     def stats(self) -> dict[str, int]:
         """Counts worth reporting once [documents][lmlab.api.data.DataSource.documents] is exhausted
         (lines or files skipped, ...).
 
-        Called once per preparation, in the main process, after the last document. ``lmlab prepare``
+        Called once per preparation, in the main process, after the last document (for a source cut
+        into [parts][lmlab.api.data.DataSource.parts] under Dask: after each part, on a worker, and the
+        counts summed). ``lmlab prepare``
         prints them and records them in the token cache's index and in ``summary.json``
         (``data.source``). Default: none.
         """

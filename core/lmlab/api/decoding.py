@@ -1,6 +1,6 @@
 """The decoding slot: turns prompts into continuations."""
 
-from typing import ClassVar, Iterator, Literal, Protocol
+from typing import Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
 import torch
 
@@ -107,7 +107,8 @@ class Decoder(Plugin):
 
     [decode][lmlab.api.decoding.Decoder.decode] (API 1.8) continues a batch of prompts of any lengths
     over an [Engine][lmlab.api.decoding.Engine], yielding tokens as they are made; ``lmlab
-    generate`` streams them and ``lmlab serve`` answers with them. A plugin written for API < 1.8
+    generate`` streams them. ``lmlab serve`` takes only a
+    [TokenDecoder][lmlab.api.decoding.TokenDecoder], whose per-token choice it batches. A plugin written for API < 1.8
     implements only [generate][lmlab.api.decoding.Decoder.generate], which the core then calls per
     prompt. Used also for the sample ``lmlab run`` prints at the end of a causal run; a model trained
     with a bidirectional objective is never given to a decoder.
@@ -182,9 +183,113 @@ class Decoder(Plugin):
         """
         if type(self).decode is Decoder.decode:
             raise NotImplementedError(f"{type(self).__name__} implements neither decode nor generate")
-        from lmlab.generation.batch import generate_tensor
+        from lmlab.generation.token_ids import generate_tensor
 
         return generate_tensor(self, model, prompt, max_new_tokens, eos_id=eos_id, generator=generator)
+
+
+class TokenRows:
+    """The rows of one decoding step as a [TokenDecoder][lmlab.api.decoding.TokenDecoder] sees them
+    (API 1.17): each row's options and random generator.
+
+    In ``lmlab generate`` every row has the decoder's own options and the one generator seeded by
+    ``--seed``; in ``lmlab serve`` each row is a request, with the decoder's options as that request
+    set them (the server's ``decoding.*`` values where it did not) and, for a request that gave a
+    ``seed``, a generator of its own, so its text does not depend on the others decoded beside it.
+
+    Args:
+        options: One instance of the decoder's ``Options`` per row (the same object may repeat).
+        generators: One random generator per row (the same object may repeat), or None for torch's
+            global one.
+        device: Where the step's logits are.
+    """
+
+    def __init__(self, options: Sequence[Any], generators: Sequence[torch.Generator | None],
+                 device: torch.device | str = "cpu"):
+        if len(options) != len(generators):
+            raise ValueError(f"{len(options)} rows of options for {len(generators)} generators")
+        self.options, self.generators, self.device = list(options), list(generators), torch.device(device)
+        self._values: dict[tuple, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        """The rows B."""
+        return len(self.options)
+
+    def values(self, name: str, default: float | int | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Option ``name`` of every row as a (B,) tensor on the logits' device, a row's None given as
+        ``default``: per-row parameters for one vectorised pass over the batch."""
+        key = (name, default, dtype)
+        if key not in self._values:
+            raw = [getattr(o, name) for o in self.options]
+            self._values[key] = torch.tensor([default if v is None else v for v in raw], dtype=dtype,
+                                             device=self.device)
+        return self._values[key]
+
+    def select(self, index: Sequence[int]) -> "TokenRows":
+        """The rows at ``index``, in that order (e.g. those a decoder samples rather than picks)."""
+        return TokenRows([self.options[i] for i in index], [self.generators[i] for i in index], self.device)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token id per row drawn from probs (B, V) (rows sum to 1), each row from its own
+        generator: rows that share one are drawn together in one call, so ``lmlab generate`` draws
+        exactly as a single ``torch.multinomial(probs, 1, generator=g)``."""
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(self.generators):
+            groups.setdefault(id(g), []).append(i)
+        if len(groups) == 1:
+            return torch.multinomial(probs, 1, generator=self.generators[0])[:, 0]
+        out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+        for index in groups.values():
+            at = torch.tensor(index, device=probs.device)
+            out[at] = torch.multinomial(probs.index_select(0, at), 1, generator=self.generators[index[0]])[:, 0]
+        return out
+
+
+class TokenDecoder(Decoder):
+    """A decoder that picks each next token from that step's next-token logits alone, row by row
+    (API 1.17): greedy, sampling and its truncations (top-k, top-p, min-p...).
+
+    Implement [choose][lmlab.api.decoding.TokenDecoder.choose], vectorised over the rows of a step,
+    each row with its own options. ``lmlab generate`` runs it through
+    [decode][lmlab.api.decoding.TokenDecoder.decode] (one row per prompt, the loop below);
+    ``lmlab serve`` calls it inside its continuous batching, one row per request, where a request's
+    fields that name an option of the decoder's ``Options`` (not one of
+    [DecodingOptions][lmlab.api.decoding.DecodingOptions]', which are the server's) set that option for
+    that request, validated by the ``Options`` class. So one implementation serves both commands.
+    A decoder that needs whole sequences (beam search, speculative decoding) subclasses
+    [Decoder][lmlab.api.decoding.Decoder] instead, and ``lmlab serve`` refuses it.
+    """
+
+    api = ">=1.17,<2"  # TokenDecoder
+
+    def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+        """logits (B, V) float32 of one step → the next token ids (B,) int64, row b chosen with
+        ``rows.options[b]`` and drawing only from ``rows.generators[b]`` (use
+        [TokenRows.sample][lmlab.api.decoding.TokenRows.sample] and
+        [TokenRows.values][lmlab.api.decoding.TokenRows.values]; never a Python loop over rows).
+        Called under ``torch.no_grad()``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement choose")
+
+    def decode(self, engine: Engine, prompts: list[list[int]], outputs: Outputs,
+               generator: torch.Generator | None = None) -> Iterator[dict[int, list[int]]]:
+        """Every prompt gets a row; each step feeds one token per unfinished row and chooses the
+        next from its logits. A finished prompt (EOS, a stop string, its token limit) leaves the
+        batch and its row is released at once, so the others' steps get cheaper."""
+        rows, logits = engine.add(prompts)
+        live = list(range(len(prompts)))  # prompt indices, in the order of logits' rows
+        while True:
+            step = TokenRows([self.options] * len(live), [generator] * len(live), logits.device)
+            tokens = self.choose(logits, step)  # (B,)
+            yield {i: [t] for i, t in zip(live, tokens.tolist())}
+            keep = [j for j, i in enumerate(live) if not outputs.done(i)]
+            if len(keep) < len(live):
+                engine.release([rows[i] for j, i in enumerate(live) if outputs.done(i)])
+                if not keep:
+                    return
+                live = [live[j] for j in keep]
+                tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            logits = engine.step([rows[i] for i in live], tokens[:, None])[:, -1]
 
 
 class Stepper:

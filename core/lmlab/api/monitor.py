@@ -33,10 +33,16 @@ class Fix:
     """The dotted manifest key to change (``"train.batch_size"``), or None."""
     value: Any = None
     """The value to set it to (``--set key=value`` form when printed)."""
+    also: dict[str, Any] = field(default_factory=dict)
+    """Further keys to set together with ``key`` (API 1.16): a fix that is only right as a whole, such
+    as a smaller ``train.batch_size`` with the ``train.grad_accum`` that keeps the batch per step, or
+    ``parallel.use`` with the plugin's own option (``parallel.stage``). Printed as one ``--set`` each."""
 
     def as_dict(self) -> dict:
-        """The fix as ``summary.json`` records it: ``{"text", "key", "value"}``."""
-        return {"text": self.text, "key": self.key, "value": self.value}
+        """The fix as ``summary.json`` records it: ``{"text", "key", "value"}``, and ``"also"`` when
+        it sets more than one key."""
+        record = {"text": self.text, "key": self.key, "value": self.value}
+        return {**record, "also": dict(self.also)} if self.also else record
 
 
 @dataclass
@@ -124,8 +130,11 @@ class RunControl:
     def rollback(self, lr_factor: float, reason: str) -> int:
         """Restore the weights and optimizer state of the newest checkpoint and multiply every
         learning rate by ``lr_factor`` from now on; training goes on from the current step (the data
-        does not rewind). Returns the checkpoint's step. Raises [RunFailed][lmlab.api.monitor.RunFailed]
-        (kind non-finite) when no finite checkpoint exists yet, or a sharded layout cannot roll back."""
+        does not rewind). Returns the checkpoint's step. With no checkpoint yet (API 1.16) the current
+        weights stay, when finite (skipped steps leave them as the last good step made them), and only
+        the learning rates are lowered; returns the current step. Raises
+        [RunFailed][lmlab.api.monitor.RunFailed] (kind non-finite) when neither is finite, or a sharded
+        layout cannot roll back."""
         raise NotImplementedError
 
     def locate_nonfinite(self) -> str | None:

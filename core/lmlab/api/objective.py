@@ -146,6 +146,13 @@ class Objective(Plugin):
     needs [make_batch_from][lmlab.api.objective.Objective.make_batch_from] overridden (API 1.4). An
     instance may set it from its options."""
 
+    drops_truncated: ClassVar[bool] = False
+    """With ``sampling = "documents"``: True when a document longer than a row (``model.block_size``
+    tokens and its end) is left out of the loss rather than trained on truncated, as a preference pair
+    that lost its rejected answer is (API 1.16). The core then warns at the start of a run with how many
+    are left out (the run's warnings.log), and refuses the run, naming ``model.block_size``, when none
+    of a split's documents fit."""
+
     def setup(self, vocab: Vocabulary) -> None:
         """Receive the run's vocabulary and the ids of ``special_tokens`` (API 1.4).
 

@@ -116,3 +116,17 @@ class Optimizer(Plugin):
             A ``torch.optim.Optimizer`` over exactly those parameters.
         """
         raise NotImplementedError
+
+    def update_rule(self) -> str | None:
+        """The standard update that the optimizer from [build][lmlab.api.optimizer.Optimizer.build]
+        applies exactly, so that a parallel plugin with its own implementation of that update may
+        step the same param groups with it instead (API 1.16): DeepSpeed's vectorised CPU Adam under
+        ZeRO-Offload (``parallel.cpu_adam``) does so only for an optimizer that declares ``"adamw"``.
+
+        ``"adamw"``: ``torch.optim.AdamW``'s update (Adam with bias correction and decoupled weight
+        decay; no amsgrad, not maximizing), reading each param group's ``"lr"``, ``"betas"``,
+        ``"eps"`` and ``"weight_decay"`` at every step. None (the default): no other implementation
+        stands in for this plugin's optimizer. Called during the checks, in every process; it must
+        be cheap and decide from the options alone.
+        """
+        return None

@@ -250,6 +250,18 @@ class Parallel(Plugin):
         raise UserError(f"parallel plugin {self.name!r} does not describe its memory layout "
                         "(Parallel.memory_layout), so lmlab plan cannot plan it", key="parallel.use")
 
+    @classmethod
+    def memory_savings(cls) -> list[tuple[str, dict[str, Any]]]:
+        """Settings of this plugin that hold less per device than one process with the whole model,
+        for the fixes of an out-of-memory diagnosis (API 1.16): ``(what it does, options)`` pairs,
+        the least costly in communication first (``("ZeRO stage 2: gradients and optimizer states
+        sharded", {"stage": 2})``). The options are this plugin's own (its ``Options`` fields, without
+        ``devices``); the diagnosis plans each with
+        [memory_layout][lmlab.api.parallel.Parallel.memory_layout] over the machine's GPUs and
+        suggests the first that fits, as ``--set parallel.use=NAME --set parallel.OPTION=VALUE``.
+        Default: none."""
+        return []
+
 
 def loss_scaling(train) -> dict[str, Any]:
     """``torch.amp.GradScaler``'s keyword arguments from ``[train]``'s loss-scale options."""

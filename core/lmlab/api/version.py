@@ -124,6 +124,34 @@ and raise the bound when the plugin starts to use a newer one.
 
 1.15: ``Parallel.resolved``: the choices a parallel plugin made for the machine (DeepSpeed's CPU Adam or
      torch's AdamW for an offloaded optimizer), recorded in ``provenance.json``.
+
+1.16: ``Optimizer.update_rule``: the standard update an optimizer plugin's optimizer applies exactly
+     (``"adamw"``), so that a parallel plugin may step the same param groups with its own
+     implementation of it (DeepSpeed's CPU Adam under ZeRO-Offload) and keeps the plugin's
+     optimizer otherwise. ``Parallel.memory_savings``: the settings of a parallel plugin that hold
+     less per device, which an out-of-memory diagnosis plans and suggests; ``Fix.also``, further keys
+     a fix sets together with its ``key``.
+     ``DataSource.parts`` and ``DataSource.documents_in``: a source cut into pieces that a Dask
+     preparation's workers read on their own (this process only plans).
+     ``RunControl.rollback`` before the first checkpoint keeps the current finite weights and lowers
+     the learning rates, instead of failing the run. ``Objective.drops_truncated``: documents longer
+     than a row are left out of the loss, which the core counts, warns about, and refuses when none fit.
+
+1.17: Token-level decoding (``lmlab.api.decoding``): ``TokenDecoder.choose(logits, rows)`` picks one
+     token per row of a step, vectorised over ``TokenRows`` (each row's options, as ``values`` tensors,
+     and its own generator, drawn through ``sample``); ``TokenDecoder.decode`` is the loop ``lmlab
+     generate`` runs over it, and ``lmlab serve`` calls ``choose`` inside its continuous batching, a
+     request's fields setting the decoder's own options for that request.
+     The data-order slot (``lmlab.api.order``): ``Order`` (``scores`` the training documents once,
+     ``pool`` says which of them each step draws from; ``competence``), ``OrderOptions`` (``start``,
+     ``steps``, ``pacing``) and ``TrainingDocuments`` (with the objective's ``difficulty``).
+     ``DataOptions.curriculum`` is the older spelling of ``[order] use``.
+     The conformance kit, versioned with this API: ``lmlab.testing.check_compress`` (reload equality,
+     bad options refused, size figures in a compress record's ``summary`` that match the saved tensors:
+     ``bits_per_weight``, ``linear_bytes_ratio`` over the record's ``modules``, ``params``,
+     ``nonzero_params``, ``sparsity``); ``check_objective`` checks ``Objective.difficulty``; the
+     length re-check takes each int option to the top of its declared (``le``/``lt``) or stated
+     (``ranges=``) range.
 """
 
-API_VERSION = "1.15"
+API_VERSION = "1.17"

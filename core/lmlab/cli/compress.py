@@ -16,10 +16,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME.KEY=VALUE",
                         help="a method's option (KEY=VALUE when only one method is named)")
     parser.add_argument("--calibration", type=Path, default=None, metavar="FILE",
-                        help="text the calibrated methods measure activations on (default: the run's validation split)")
-    parser.add_argument("--calibration-split", choices=("val", "train"), default="val",
-                        help="the run's split to calibrate on without --calibration (default val; train keeps the "
-                             "reported validation perplexity out of the calibration)")
+                        help="text the calibrated methods measure activations on (default: the run's training split)")
+    parser.add_argument("--calibration-split", choices=("train", "val"), default="train",
+                        help="the run's split to calibrate on without --calibration (default train, so the reported "
+                             "validation perplexity is on text the calibration never saw; val makes it optimistic)")
     parser.add_argument("--calibration-windows", type=int, default=128, metavar="N",
                         help="windows of the model's length to calibrate on (default 128)")
     parser.add_argument("--out", type=Path, default=None,

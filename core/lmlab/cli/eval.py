@@ -32,6 +32,15 @@ def main(args) -> int:
         raise UserError("no such file", key=str(args.data))
     if args.limit is not None and args.limit < 1:
         raise UserError("must be positive", key="--limit")
+    if args.stop == "":
+        raise UserError("a stop string cannot be empty (it would end every answer before it starts); "
+                        "the default is a newline", key="--stop")
+    if args.out is not None:
+        above = next((p for p in args.out.parents if p.exists()), None)
+        if args.out.is_dir():
+            raise UserError(f"{args.out} is a folder; name the file to write the answers to", key="--out")
+        if above is not None and not above.is_dir():
+            raise UserError(f"{above} is a file, so {args.out} cannot be written", key="--out")
     # The run's own data plugin reads the records, pointed at the held-out file: same template.
     overrides = [*args.overrides, f"data.path={json.dumps(str(args.data.resolve()))}"]
     run = load_run(args.run_dir, overrides)

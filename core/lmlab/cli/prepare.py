@@ -7,6 +7,9 @@ that share their data, filters and tokenizer share one cache entry; an entry alr
 reported. An interrupted preparation continues where it stopped when run again.
 """
 
+import math
+import sys
+
 from lmlab import manifest
 from lmlab.errors import UserError
 
@@ -31,11 +34,12 @@ def main(args) -> int:
         raise UserError("must be at least 1", key="--workers")
     if args.scheduler is not None and args.executor != "dask":
         raise UserError("a scheduler address needs --executor dask", key="--scheduler")
-    if args.shard_mb is not None and args.shard_mb <= 0:
-        raise UserError("must be positive", key="--shard-mb")
+    if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
+        raise UserError(f"must be a positive number of MB, not {args.shard_mb}", key="--shard-mb")
     variants = manifest.load(args.manifest, args.overrides)
 
     from lmlab.prepare import entry, pipeline
+    from lmlab.prepare.key_index import WorkerLost
 
     done: dict[str, list[str]] = {}
     for variant in variants:
@@ -45,7 +49,11 @@ def main(args) -> int:
             continue
         done[key] = [variant.name]
         cached = entry.problem(pipeline.cache_root() / "tokens" / key) is None  # verified: prepare won't hash again
-        folder = pipeline.prepare_corpus(variant, workers=args.workers, shard_mb=args.shard_mb, key=key,
-                                         executor=args.executor, scheduler=args.scheduler)
+        try:
+            folder = pipeline.prepare_corpus(variant, workers=args.workers, shard_mb=args.shard_mb, key=key,
+                                             executor=args.executor, scheduler=args.scheduler)
+        except WorkerLost as exc:  # not bad input (exit 2): the partial build stays, to resume from
+            print(f"lmlab: error: {exc}", file=sys.stderr)
+            return 1
         print(f"{variant.name}: {folder}{' (already prepared)' if cached else ''}")
     return 0

@@ -46,6 +46,15 @@ def main(args) -> int:
 
     checked = checks.run_all(selected)  # a variant that cannot run is bad input, before any other trains
     sweep.check_out(out)
+    # Bad input found only once a variant reads its data (too little of it for one window) refuses
+    # the command after the sweep index went in: put the runs folder back as it was.
+    with sweep.undone_on_refusal(out, main_process):
+        failed, planned = _run_all(args, variants, selected, out, checked, main_process, say)
+    return _finish(variants, planned, failed, main_process, say)
+
+
+def _run_all(args, variants, selected, out, checked, main_process, say) -> tuple[list, list]:
+    """Plan, claim and train the selected variants: (those that did not complete, the plan)."""
     with contextlib.ExitStack() as held:
         locks = {}
         if main_process:
@@ -80,6 +89,10 @@ def main(args) -> int:
             failed = [item for item in todo if (results.get(item.variant.name) or {}).get("status") != "completed"]
         else:
             failed = _run_here(todo, say, checked)
+    return failed, planned
+
+
+def _finish(variants, planned, failed, main_process, say) -> int:
     if main_process:
         _closing_note(variants[0], [item.run_dir for item in planned], say)
         if failed:
@@ -120,11 +133,12 @@ def _run_here(todo: list, say, checked: dict) -> list:
         try:
             result = run_variant(variant, run_dir, resume=item.action == "resume", checked=checked[variant.name])
         except UserError as exc:
+            # Bad input the checks could not see (it needs the prepared data): exit 2 like any other,
+            # rather than a failure of one variant; those already trained are kept, and running the
+            # command again after the fix skips them.
             if len(todo) == 1:
-                raise  # one variant and bad input: the plain exit-2 message
-            failed.append(item)
-            say(f"[{variant.name}] refused: {exc}")
-            continue
+                raise
+            raise UserError(f"{exc.message} (variant {variant.name})", key=exc.key) from None
         except Exception as exc:  # recorded in the variant's summary.json and error.log by the runner
             failed.append(item)
             say(f"[{variant.name}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

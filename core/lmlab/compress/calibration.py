@@ -1,6 +1,6 @@
 """The windows a calibrated method measures the model on: by default drawn from the run's own
-validation split (what the issue's users have at hand), else from a text file encoded by the run's
-tokenizer. Windows are the model's length, taken at seeded random offsets so they spread over the text."""
+training split (the validation split, which the compressed run is scored on, stays held out), else
+from a text file encoded by the run's tokenizer. Windows are the model's length, taken at seeded random offsets so they spread over the text."""
 
 from pathlib import Path
 
@@ -33,7 +33,13 @@ def from_file(path: Path, tokenizer, block_size: int, windows: int, seed: int, d
         raise UserError("no such file", key=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot be read as UTF-8 text ({type(exc).__name__})", key=str(path)) from None
-    tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    try:
+        tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    except UserError as exc:
+        # The tokenizer names its own option (tokenizer.unknown), which compress does not take: the
+        # file is what to change.
+        raise UserError(f"--calibration: the run's tokenizer cannot encode this text ({exc.message})",
+                        key=str(path)) from None
     if len(tokens) < block_size + 1:
         raise UserError(f"holds {len(tokens)} tokens; calibration needs at least one window of {block_size + 1}",
                         key=str(path))

@@ -102,7 +102,7 @@ def generation_speed(models: list, decoder, prompts: list[list[int]], new_tokens
     all of them alike, and each model's figure is its median round (after one warm-up prompt)."""
     import statistics
 
-    from lmlab.generation.batch import generate_tensor
+    from lmlab.generation.token_ids import generate_tensor
 
     def one(model, prompt, n):
         device = next(model.parameters()).device

@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 
 from lmlab.api.attention import MixerContext
+from lmlab.api.decoding import TokenDecoder, TokenRows
 from lmlab.errors import UserError
 
 PROPAGATION = ("copy", "exact")
@@ -39,8 +40,8 @@ PROPAGATION = ("copy", "exact")
 
 def check(decoder, model) -> None:
     """A UserError naming decoding.exit_threshold unless ``decoder`` picks one token per step
-    (``choose``: greedy, sample) and ``model`` is a whole causal model with exit heads."""
-    if not callable(getattr(decoder, "choose", None)):
+    (a ``TokenDecoder``: greedy, sample) and ``model`` is a whole causal model with exit heads."""
+    if not isinstance(decoder, TokenDecoder):
         raise UserError(f"early exit decodes one token per step, with greedy or sample; {decoder.name!r} does "
                         "not (leave decoding.exit_threshold unset)", key="decoding.exit_threshold")
     check_model(model)
@@ -174,7 +175,7 @@ class ExitStats:
 
 
 class EarlyExitDecoding:
-    """A one-token-per-step decoder (``greedy``, ``sample``: one with ``choose(logits, generator)``)
+    """A one-token-per-step decoder (a ``TokenDecoder``: ``greedy``, ``sample``)
     run with early exits: what ``lmlab generate`` drives instead of the decoder's own ``decode`` when
     ``decoding.exit_threshold`` is set. The same interface (``decode``), with no engine."""
 
@@ -192,7 +193,8 @@ class EarlyExitDecoding:
             row = EarlyExitRow(self.model, self.threshold, self.max_len, self.propagate)
             logits, layer = row.start(ids)
             while True:
-                token = int(self.decoder.choose(logits[None], generator)[0])
+                rows = TokenRows([self.decoder.options], [generator], logits.device)
+                token = int(self.decoder.choose(logits[None], rows)[0])
                 self.stats.add(layer)
                 yield {i: [token]}
                 if outputs.done(i):

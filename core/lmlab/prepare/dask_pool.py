@@ -3,12 +3,14 @@
 The tasks are the local executor's (:class:`lmlab.prepare.work.Worker`'s ``filter_chunk`` and
 ``tokenize_part``): pure functions of their input, whose results this process takes in task order.
 So the shards are byte-identical whichever executor, cluster or worker count made them, and an
-interrupted preparation resumes from the same checkpoints. This process reads the source, decides
-what the corpus-level filters keep (in corpus order, on the signatures the workers computed, so a
-near-duplicate is found whichever worker saw its twin), spools the kept text and writes the index;
-the workers filter, compute signatures, and tokenise and write the shards. On a real cluster the
-cache folder must therefore be on a filesystem every worker can write (as the data must be readable
-by this process).
+interrupted preparation resumes from the same checkpoints. The workers read the source part by part
+(``DataSource.parts``, API 1.16), filter it, compute signatures and stage the kept text
+(:mod:`lmlab.prepare.staging`), write the spool parts and tokenise them into shards; this process
+plans the parts, decides what the corpus-level filters keep (in corpus order, on the signatures the
+workers computed, so a near-duplicate is found whichever worker saw its twin), where each document
+goes and where a part ends, and writes the checkpoints and the index. A source that cannot be cut
+is read here, and its documents sent to the workers. On a real cluster the data and the cache
+folder must therefore be on a filesystem every worker can read and write.
 
 Without an address, a local cluster of ``workers`` single-threaded processes is started and
 stopped with the preparation; with one (``tcp://host:8786``, from ``dask-scheduler`` and
@@ -110,15 +112,41 @@ class DaskWorkers:
 
     def map(self, method: str, items: Iterable, parallel: bool = True) -> Iterator:
         """Results of ``method`` on each item, in order, computed on the cluster (``parallel`` is
-        ignored: the cluster was asked for). Around each filtered chunk, the partitioned indexes
-        fetch what the chunk's keys need before it is folded, and file what was admitted after."""
-        admitters = self._admitters if method == "filter_chunk" else {}
-        for chunk in self._ordered(method, items):
-            for number, admitter in admitters.items():
+        ignored: the cluster was asked for)."""
+        results = self._ordered(method, items)
+        return self._admitted(results) if method == "filter_chunk" else results
+
+    def _admitted(self, chunks: Iterable[list]) -> Iterator[list]:
+        # Around each filtered chunk, the partitioned indexes fetch what the chunk's keys need
+        # before it is folded, and file what was admitted after.
+        for chunk in chunks:
+            for number, admitter in self._admitters.items():
                 admitter.prefetch([outcome[4][number] for outcome in chunk if number in outcome[4]])
             yield chunk
-            for admitter in admitters.values():
+            for admitter in self._admitters.values():
                 admitter.flush()
+
+    def reading(self, source, stage: Path, skip: int, size: int) -> "Reading | None":
+        """The filtered outcomes of ``source``'s documents after the first ``skip``, read by the
+        workers part by part (:mod:`lmlab.prepare.staging`); None when the source cannot be cut
+        into parts (a plugin without ``DataSource.parts``): this process reads it then."""
+        from lmlab.api import DataSource
+
+        parts = None if type(source).parts is DataSource.parts else source.parts(size)
+        if parts is None:
+            if self.listener is not None:
+                self.listener("note", {"text": f"data plugin {source.name!r} cannot be cut into parts "
+                                               "(DataSource.parts, API 1.16): this process reads it and sends "
+                                               "the documents to the workers"})
+            return None
+        stage.mkdir(parents=True, exist_ok=True)
+        return Reading(self, PluginSpec(type(source), source.name, source.options), parts, stage, skip)
+
+    def write_part(self, part, spool: Path, name: str, stage: Path) -> dict:
+        """Write a spool part on a worker, from the text the workers staged."""
+        self.start()
+        return self.executor.submit(_run, self.token, self.filters, "write_part", (part, spool, name, stage),
+                                    pure=False).result()
 
     def _ordered(self, method: str, items: Iterable) -> Iterator:
         self.start()
@@ -136,6 +164,7 @@ class DaskWorkers:
                 future.cancel()
 
     def close(self) -> None:
+        self._admitters.clear()  # their actors live on the cluster: released with the client
         if self.executor is not None:
             self.executor.close()
             self.executor = None
@@ -148,3 +177,32 @@ class DaskWorkers:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Reading:
+    """The outcomes of a source read by the workers, chunk (part) by chunk, in corpus order; then
+    ``stats``, the source's counts summed over its parts."""
+
+    def __init__(self, pool: DaskWorkers, source: PluginSpec, parts: list, stage: Path, skip: int):
+        self.pool, self.source, self.parts, self.stage, self.skip = pool, source, parts, stage, skip
+        self.current = 0  # the number of the part whose outcomes are being folded
+        self.stats: dict[str, int] = {}
+
+    def __iter__(self) -> Iterator[list]:
+        from lmlab.prepare.staging import ReadTask
+
+        tasks = (ReadTask(self.source, part, i, self.stage) for i, part in enumerate(self.parts))
+        return self.pool._admitted(self._outcomes(self.pool._ordered("read_part", tasks)))
+
+    def _outcomes(self, results: Iterator) -> Iterator[list]:
+        # A resumed preparation reads its source again from the start (each part's counts are
+        # needed); the documents it had already taken are dropped here.
+        for number, (outcomes, stats) in enumerate(results):
+            self.current = number
+            for what, n in stats.items():
+                self.stats[what] = self.stats.get(what, 0) + n
+            if self.skip:
+                dropped = min(self.skip, len(outcomes))
+                outcomes, self.skip = outcomes[dropped:], self.skip - dropped
+            if outcomes:
+                yield outcomes

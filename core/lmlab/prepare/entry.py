@@ -18,7 +18,7 @@ import numpy as np
 
 from lmlab.prepare import shards
 from lmlab.prepare.checkpoint import valid_files, valid_shard
-from lmlab.prepare.stages import FORMAT, SPLITS
+from lmlab.prepare.shards import FORMAT, SPLITS
 
 _verified: dict[Path, tuple[tuple, dict]] = {}  # entry folder → (its files' stat signature, its index)
 

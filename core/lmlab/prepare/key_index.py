@@ -20,15 +20,44 @@ the last one to ``index-JJ-SSSSS-PPP.npz`` (arrays only, never a pickle) in the 
 the workers must be able to write (as they write the token shards); the filter's checkpoint records
 how many segments count. A resumed preparation deletes later segments (written after the last
 checkpoint by a killed run) and its new shards read the rest, each keeping what it owns, so the
-number of workers may differ.
+number of workers may differ. A worker lost with its shard (a killed process, a lost node) loses
+what was filed since the last checkpoint, which no retry can give back: the shards' calls raise
+:class:`WorkerLost`, and the preparation resumes from that checkpoint on the workers that remain.
 """
 
+import contextlib
+import functools
 import hashlib
 import os
 import re
 from pathlib import Path
 
 import numpy as np
+
+
+class WorkerLost(Exception):
+    """A Dask worker holding part of a partitioned index was lost: what it held since the last
+    checkpoint is gone. The message is one line for the user."""
+
+
+@contextlib.contextmanager
+def _shards_reachable():
+    # Distributed says so with "Worker holding Actor was lost" (RuntimeError) or "Unable to contact
+    # Actor's worker" (OSError, also a closed connection mid-call).
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        if isinstance(exc, RuntimeError) and "Actor" not in str(exc):
+            raise
+        raise WorkerLost(f"a Dask worker holding part of the deduplication index was lost ({exc})") from None
+
+
+def _reaching_shards(method):
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with _shards_reachable():
+            return method(*args, **kwargs)
+    return wrapped
 
 
 def owner(key: bytes, shards: int) -> int:
@@ -104,9 +133,11 @@ class ShuffledAdmitter:
         self.inner, self.name, self.client, self.partial = inner, inner.name, client, Path(partial)
         workers = sorted(client.scheduler_info().get("workers", {}))
         self.n = len(workers) or 1
-        # One shard on each worker (pinned: left to the scheduler, two could share one).
-        self.shards = [client.submit(KeyShard, i, self.n, actor=True, pure=False,
-                                     workers=workers[i:i + 1] or None).result() for i in range(self.n)]
+        # One shard on each worker (pinned: left to the scheduler, two could share one; but one that
+        # has just been lost may still be listed, and another takes its shard then).
+        with _shards_reachable():
+            self.shards = [client.submit(KeyShard, i, self.n, actor=True, pure=False, workers=workers[i:i + 1] or None,
+                                         allow_other_workers=True).result() for i in range(self.n)]
         self.prefix = f"index-{number:02d}"
         self.admitted = 0  # documents admitted so far: each one's number
         self.saved = 0  # segments written
@@ -114,6 +145,7 @@ class ShuffledAdmitter:
         self.local: dict[bytes, list[bytes]] = {}  # keys of documents admitted in this chunk
         self.pending: list[tuple[list[bytes], int, bytes]] = []  # admitted, not yet filed
 
+    @_reaching_shards
     def prefetch(self, signatures: list) -> None:
         """Ask the shards, all at once, for what is filed under the keys of a chunk's documents."""
         keys = sorted({k for s in signatures for k in self.inner.shuffle_keys(s)})
@@ -144,6 +176,7 @@ class ShuffledAdmitter:
             self.admitted += 1
         return verdict
 
+    @_reaching_shards
     def flush(self) -> None:
         """File the documents admitted since the last flush with their shards."""
         keys = [[] for _ in self.shards]
@@ -156,12 +189,14 @@ class ShuffledAdmitter:
                  if keys[i] or signatures[i]])
         self.pending = []
 
+    @_reaching_shards
     def state_dict(self) -> dict:
         self.flush()
         self.saved += 1
         _gather([shard.save(str(self._segment(self.saved, i))) for i, shard in enumerate(self.shards)])
         return {"shuffled": {"admitted": self.admitted, "segments": self.saved}}
 
+    @_reaching_shards
     def load_state_dict(self, state: dict) -> None:
         shuffled = state.get("shuffled") if isinstance(state, dict) else None
         if not (isinstance(shuffled, dict) and isinstance(shuffled.get("admitted"), int)

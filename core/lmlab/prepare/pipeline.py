@@ -49,7 +49,8 @@ from lmlab import discovery, pretrained
 from lmlab.errors import UserError, warn
 from lmlab.prepare import entry
 from lmlab.prepare.report import Progress
-from lmlab.prepare.stages import FORMAT, Build, Listener, filter_specs
+from lmlab.prepare.shards import FORMAT
+from lmlab.prepare.stages import Build, Listener, filter_specs
 from lmlab.prepare.work import Workers
 
 DEFAULT_SHARD_MB = 16.0

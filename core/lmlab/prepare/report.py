@@ -77,6 +77,10 @@ class Progress:
         elif event == "executor":
             dashboard = f", dashboard {info['dashboard']}" if info.get("dashboard") else ""
             self._line(f"prepare: on the Dask cluster at {info['scheduler']} ({info['workers']} worker(s){dashboard})")
+        elif event == "note":
+            self._line(f"prepare: {info['text']}")
+        elif event == "lost":
+            self._line(f"prepare: {info['why']}; resuming from the last checkpoint on the remaining workers")
         elif event == "wait":
             self._line("prepare: waiting for another process that prepares the same data")
         elif event == "fit":

@@ -18,10 +18,13 @@ split form one virtual 1-D array (:class:`ShardedTokens`) that windows may cross
 import hashlib
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 import numpy as np
 
+FORMAT = 3  # of index.json and a build's state.json: bump when the cache layout changes
+SPLITS = ("train", "val")
 SUFFIXES = {"bin": None, "docs": "<u8", "mask": "u1", "weights": "<f4"}  # None: the corpus's token dtype
 CHUNK = 1 << 20
 
@@ -48,6 +51,14 @@ def temporary(path: Path) -> Path:
     (write there, then rename): two preparations writing at once never share a half-written file.
     Not ``tempfile.mkstemp``, whose mode 0600 would hide a shared cache from its other users."""
     return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def remove(path: Path) -> None:
+    """Delete a file or folder; a symbolic link itself, never what it points to."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def files_sha256(folder: Path) -> dict[str, str]:

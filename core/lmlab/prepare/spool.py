@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from lmlab.prepare import shards
+from lmlab.prepare import shards, staging
 from lmlab.prepare.work import FIRST, span_flags
 
 
@@ -31,8 +31,11 @@ class Part:
             self.spans.append((self.size, span_flags(int(value), i == 0, weight)))
         self.documents += 1
 
-    def write(self, spool: Path, name: str) -> dict:
-        text_sha = shards.write_array(spool / f"{name}.txt", np.frombuffer(b"".join(self.chunks), np.uint8))
+    def write(self, spool: Path, name: str, stage: Path | None = None) -> dict:
+        """Write the part as ``name``; its segments are bytes, or text staged in ``stage`` by a Dask
+        worker (:mod:`lmlab.prepare.staging`)."""
+        text = staging.contents(self.chunks, stage)
+        text_sha = shards.write_array(spool / f"{name}.txt", np.frombuffer(text, np.uint8))
         spans_sha = shards.write_array(spool / f"{name}.spans", np.array(self.spans, dtype="<i8").reshape(-1, 2))
         return {"documents": self.documents, "bytes": self.size, "files": {"txt": text_sha, "spans": spans_sha}}
 

@@ -1,27 +1,27 @@
-"""The three stages of a preparation (see :mod:`lmlab.prepare.pipeline`), resumable from its
-checkpoints: filter and spool, fit the tokenizer, tokenise into shards; then the index."""
+"""A preparation (see :mod:`lmlab.prepare.pipeline`), resumable from its checkpoints: the build's
+state and stage 1, filter and spool. Stages 2 and 3 (fit the tokenizer, tokenise into shards) and the
+index are in :mod:`lmlab.prepare.tokenizing`."""
 
 import itertools
 import json
-import os
 import shutil
 import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lmlab import pretrained
 from lmlab.api import Record, Table, UserError
 from lmlab.errors import warn
-from lmlab.prepare import checkpoint, shards, spool
-from lmlab.prepare.report import merged, new_stats, public, record
-from lmlab.prepare.work import PluginSpec, TokenizeTask, Workers, checked_weight
+from lmlab.prepare import checkpoint, shards, spool, staging, tokenizing
+from lmlab.prepare.key_index import WorkerLost
+from lmlab.prepare.report import merged, new_stats, record
+from lmlab.prepare.shards import FORMAT, SPLITS, remove
+from lmlab.prepare.work import PluginSpec, Workers, checked_weight
 
-FORMAT = 3  # bump when the cache layout changes
 CHUNK_CHARS = 1 << 18  # documents per filtering task: about this many characters...
 CHUNK_DOCS = 256  # ...or this many documents
-POOL_WORTH_S = 3.0  # tokenising work, in seconds here, that justifies starting worker processes
-SPLITS = ("train", "val")
+READ_BYTES = 1 << 20  # source per part that a Dask worker reads (at most a spool part's: the pipeline stays fine-grained)
+LOST_WORKERS = 3  # Dask workers with part of an index that a preparation survives (resuming each time)
 
 Listener = Callable[[str, dict], None]
 
@@ -54,6 +54,8 @@ class Build:
         self.admitting = self._corpus_filters()
         self.pending = None  # the last kept document, held back until we know whether it is the last
         self.parts = {split: spool.Part() for split in SPLITS}
+        self.reading = None  # the Dask workers' reading of the source (lmlab.prepare.staging), if they read it
+        self.pool_in_use = None
         self.started = time.perf_counter()
 
     def _corpus_filters(self) -> dict:
@@ -66,21 +68,37 @@ class Build:
         """Build the entry; returns its index."""
         try:
             with self.pool or Workers(self.workers, self.filters) as pool:
+                self.pool_in_use = pool
                 if self.filters and not (self.partial / "tokenizer").is_dir():  # filtering to do
                     # Workers take a second to start (they import their plugins): let them start
                     # while this process checks the partial build and reads documents.
                     pool.start()
-                self._resume_or_start()
-                if self.state["stage"] == "filter":
-                    self._filter(pool)
-                if self.state["stage"] == "fit":
-                    self._fit()
-                if self.state["stage"] == "tokenize":
-                    self._tokenize(pool)
-            return self._finish()
+                for lost in range(LOST_WORKERS + 1):
+                    try:
+                        self._stages(pool)
+                        break
+                    except WorkerLost as exc:
+                        if lost == LOST_WORKERS:
+                            raise WorkerLost(f"{exc}, {lost + 1} times; run the same command again to resume "
+                                             "from the last checkpoint") from None
+                        # The lost part of the index is rebuilt from its checkpointed segments by new
+                        # shards on the remaining workers, and the build goes on from that checkpoint.
+                        self.listener("lost", {"why": str(exc)})
+                        self.admitting, self.pending = self._corpus_filters(), None
+                        self.parts = {split: spool.Part() for split in SPLITS}
+            return tokenizing.finish(self)
         except UserError:
             shutil.rmtree(self.partial, ignore_errors=True)  # nothing a later run could resume from
             raise
+
+    def _stages(self, pool) -> None:
+        self._resume_or_start()
+        if self.state["stage"] == "filter":
+            self._filter(pool)
+        if self.state["stage"] == "fit":
+            tokenizing.fit(self)
+        if self.state["stage"] == "tokenize":
+            tokenizing.tokenize(self, pool)
 
     def _resume_or_start(self) -> None:
         try:
@@ -89,7 +107,7 @@ class Build:
         except checkpoint.Unusable as exc:
             warn(f"the interrupted preparation in {self.partial} cannot be resumed ({exc}); starting it over")
             self.admitting, self.pending = self._corpus_filters(), None  # may hold part of a bad state
-        _remove(self.partial)
+        remove(self.partial)
         self.spool.mkdir(parents=True)
         self.state = {
             "format": FORMAT, "key": self.key, "shard_bytes": self.shard_bytes, "stage": "filter",
@@ -97,7 +115,7 @@ class Build:
             "masked": False, "weighted": False, "parts": [], "checkpoint": None, "shards": {s: {} for s in SPLITS},
             "filters": [new_stats(spec.name) for spec in self.filters],
         }
-        self._save_state()
+        self.save_state()
 
     def _resume(self) -> bool:
         """Take up the partial build's state when there is one; raises ``checkpoint.Unusable``."""
@@ -125,7 +143,8 @@ class Build:
     def _named(self, filters: dict) -> dict:
         return {j: (self.filters[j].name, f) for j, f in filters.items()}
 
-    def _save_state(self) -> None:
+    def save_state(self) -> None:
+        """Checkpoint the state (every stage does, :mod:`lmlab.prepare.tokenizing`'s too)."""
         shards.write_bytes(self.partial / "state.json", json.dumps(self.state, indent=1).encode())
 
     # -- 1. filter ---------------------------------------------------------------------------------
@@ -133,9 +152,16 @@ class Build:
     def _filter(self, pool: Workers) -> None:
         st = self.state
         resumed_bytes = st["input_bytes"]
-        documents = itertools.islice(self.source.documents(), st["consumed"], None)
-        # Without filters a task is only UTF-8 encoding: cheaper here than a round trip to a worker.
-        outcomes = pool.map("filter_chunk", self._chunks(documents), parallel=bool(self.filters))
+        reading = getattr(pool, "reading", None)  # a Dask cluster's workers read the source themselves
+        remove(self.partial / "stage")
+        self.reading = reading and reading(self.source, self.partial / "stage", st["consumed"],
+                                           min(READ_BYTES, self.shard_bytes))
+        if self.reading is not None:
+            outcomes = self.reading
+        else:
+            documents = itertools.islice(self.source.documents(), st["consumed"], None)
+            # Without filters a task is only UTF-8 encoding: cheaper here than a round trip to a worker.
+            outcomes = pool.map("filter_chunk", self._chunks(documents), parallel=bool(self.filters))
         for chunk in outcomes:
             for outcome in chunk:
                 self._fold(outcome)
@@ -206,23 +232,35 @@ class Build:
         entry = {"index": index}
         for split, part in self.parts.items():
             if part.documents:
-                entry[split] = part.write(self.spool, shards.shard_name(split, index))
+                name = shards.shard_name(split, index)
+                if self.reading is not None:  # its text is staged on the workers' side
+                    entry[split] = self.pool_in_use.write_part(part, self.spool, name, self.reading.stage)
+                else:
+                    entry[split] = part.write(self.spool, name)
         self.parts = {split: spool.Part() for split in SPLITS}
         st["parts"].append(entry)
         self._checkpoint()
+        if self.reading is not None:
+            # Every document before the part being folded is spooled, but the one held back.
+            held = [data.file for data, _ in (self.pending[0] if self.pending else ())
+                    if isinstance(data, staging.Staged)]
+            staging.prune(self.reading.stage, min([self.reading.current, *held]))
         self.listener("part", {"index": index, "documents": st["consumed"]})
 
     def _checkpoint(self) -> None:
         st = self.state
         old, st["checkpoint"] = st["checkpoint"], None
         if st["stage"] == "filter":
+            pending = self.pending
+            if self.reading is not None:  # the checkpoint holds its text, which the workers staged
+                pending = staging.resolved(pending, self.reading.stage)
             name = f"filters-{len(st['parts']):05d}.npz"
-            st["checkpoint"] = checkpoint.save(self.partial, name, self._named(self.admitting), self.pending)
+            st["checkpoint"] = checkpoint.save(self.partial, name, self._named(self.admitting), pending)
             if st["checkpoint"] is None:
                 # A corpus-level filter without a state_dict: state.json stays as it was before the
                 # first document, so an interrupted build filters again from the start.
                 return
-        self._save_state()
+        self.save_state()
         if old and (st["checkpoint"] is None or old["file"] != st["checkpoint"]["file"]):
             (self.partial / old["file"]).unlink(missing_ok=True)
 
@@ -235,6 +273,8 @@ class Build:
             raise UserError(f"the filters dropped all {st['consumed']:,} documents ({dropped})", key="filter.use")
         if self.pending is not None:  # else a resumed build that had got this far: all assigned
             last, self.pending = self.pending, None
+            if self.reading is not None and st["kept"] == 0:
+                last = staging.resolved(last, self.reading.stage)
             # No part closes until the last document is in: a checkpoint in between would hold a
             # half-assigned end of the corpus.
             if st["kept"] == 0:  # one document: cut it by characters
@@ -248,6 +288,7 @@ class Build:
                     raise UserError(f"the corpus is one document of {len(text)} character"
                                     f"{'s' if len(text) != 1 else ''}, too short to hold "
                                     f"out {self.val_fraction} of it for validation", key="data.val_fraction")
+                _check_window_fits(self.variant, len(text[:cut].encode("utf-8")), len(text[cut:].encode("utf-8")))
                 st["split"], st["separate_documents"] = "characters", False
                 for piece, split in ((text[:cut], "train"), (text[cut:], "val")):
                     self._assign((((piece.encode("utf-8"), 1),), True, weight), split, close=False)
@@ -255,130 +296,32 @@ class Build:
                 st["split"], st["separate_documents"] = "documents", True
                 self._assign(last, "val" if st["documents"]["val"] == 0 else None, close=False)
             self._close_part()
-        st["source"] = self.source.stats()
+        st["source"] = self.reading.stats if self.reading is not None else self.source.stats()
         for j, instance in self.admitting.items():
             st["filters"][j]["tables"] = _tables(instance, self.filters[j].name)
         st["stage"] = "fit"
         self._checkpoint()
+        if self.reading is not None:
+            remove(self.reading.stage)
+            self.reading = None
 
-    # -- 2. fit ------------------------------------------------------------------------------------
 
-    def _fit(self) -> None:
-        self.listener("fit", {})
-        tokenizer = self.fitting if self.fitting is not None else self.tokenizer.build()
-        saved = self.partial / "tokenizer"
-        _remove(saved)
-        scratch = shards.temporary(self.partial / "scratch")
-        scratch.mkdir()
-        init_dir = pretrained.tokenizer_dir(self.variant)
-        if init_dir is not None:
-            # [init]: the init's fitted tokenizer, whose ids its weights were trained with.
-            tokenizer.load(init_dir)
-        else:
-            tokenizer.fit_documents(self._documents("train"), scratch)
-        building = shards.temporary(saved)
-        building.mkdir()
-        tokenizer.save(building)
-        building.rename(saved)
-        shutil.rmtree(scratch, ignore_errors=True)
-        st = self.state
-        st.update(vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                  dtype=shards.token_dtype(tokenizer.vocab_size).name, tokenizer=shards.files_sha256(saved),
-                  stage="tokenize")
-        self._save_state()
-
-    def _documents(self, split: str) -> Iterator[str]:
-        """The spooled documents of a split, in order, one at a time."""
-        for part in self.state["parts"]:
-            if split in part:
-                yield from spool.documents(self.spool, shards.shard_name(split, part["index"]))
-
-    # -- 3. tokenize -------------------------------------------------------------------------------
-
-    def _tokenize(self, pool: Workers) -> None:
-        try:
-            self._tokenize_parts(pool)
-        except UserError as exc:
-            if self.variant.init is None:
-                raise
-            data = self.variant.manifest["data"].get("path") or self.variant.manifest["data"]["use"]
-            raise UserError(f"{data}: holds text that the tokenizer of [init] from = {self.variant.init.from_} cannot "
-                            f"encode ({exc}); a fine-tune keeps the init's vocabulary", key="data") from None
-
-    def _tokenize_parts(self, pool: Workers) -> None:
-        st = self.state
-        done = st["shards"]
-        tasks = []
-        for part in st["parts"]:
-            for split in SPLITS:
-                if split not in part:
-                    continue
-                entry = done[split].get(str(part["index"]))
-                if entry is not None and shards.verify(self.partial, entry):
-                    continue
-                tasks.append(TokenizeTask(self.spool, self.partial, split, part["index"], self.tokenizer,
-                                          self.partial / "tokenizer", st["dtype"], st["separate_documents"],
-                                          st["masked"], st.get("weighted", False)))
-        total = sum(1 for part in st["parts"] for split in SPLITS if split in part)
-        spooled = {(split, part["index"]): part[split]["bytes"] for part in st["parts"] for split in SPLITS
-                   if split in part}
-        progress = {"stage": "tokenize", "total": total, "bytes": 0, "since": time.perf_counter()}
-
-        def finished(entry: dict) -> None:
-            split, index = entry["name"].rsplit("-", 1)
-            done[split][str(int(index))] = entry
-            self._save_state()
-            progress["bytes"] += spooled[(split, int(index))]
-            progress.update(shards=sum(len(v) for v in done.values()),
-                            tokens=sum(e["tokens"] for v in done.values() for e in v.values()))
-            self.listener("shard", {"name": entry["name"]})
-            self.listener("progress", progress)
-
-        parallel = pool.executor is not None  # still running from the filters
-        if tasks and not parallel:
-            # Starting a pool costs a second or two; it pays only when tokenising is slow (subword
-            # models), not for bytes or characters: time the first shard here and decide.
-            started = time.perf_counter()
-            finished(pool.local.tokenize_part(tasks[0]))
-            rate = spooled[(tasks[0].split, tasks[0].index)] / max(time.perf_counter() - started, 1e-6)
-            tasks = tasks[1:]
-            parallel = sum(spooled[(t.split, t.index)] for t in tasks) / rate > POOL_WORTH_S
-        for entry in pool.map("tokenize_part", tasks, parallel=parallel):
-            finished(entry)
-
-    # -- the index ---------------------------------------------------------------------------------
-
-    def _finish(self) -> None:
-        st = self.state
-        listed = {split: [st["shards"][split][str(part["index"])] for part in st["parts"] if split in part]
-                  for split in SPLITS}
-        tokens = {split: sum(entry["tokens"] for entry in listed[split]) for split in SPLITS}
-        for split, what in (("train", "training"), ("val", "validation")):
-            if tokens[split] == 0:
-                raise UserError(f"the {what} split holds no tokens: the corpus is too small", key="data")
-        index = {
-            "format": FORMAT, "key": self.key, "dtype": st["dtype"], "vocab_size": st["vocab_size"],
-            "eos_id": st["eos_id"], "masked": st["masked"], "weighted": st.get("weighted", False),
-            "split": st["split"],
-            "documents": st["documents"], "tokens": tokens, "input_bytes": st["input_bytes"],
-            "source": st["source"], "filters": {s["name"]: public(s) for s in st["filters"]},
-            "shards": {split: [entry for entry in listed[split] if entry["tokens"]] for split in SPLITS},
-            "tokenizer": st["tokenizer"],  # relative path → SHA-256 of each file of tokenizer/
-        }
-        shards.write_bytes(self.partial / "index.json", json.dumps(index, indent=1).encode())
-        # Only what the index names stays: not the spool, the state, checkpoints of the filters, nor
-        # files a killed build left half-written or unreferenced.
-        keep = {"index.json", "tokenizer"} | {f"{entry['name']}.{suffix}" for split in SPLITS
-                                              for entry in index["shards"][split] for suffix in entry["files"]}
-        for path in self.partial.iterdir():
-            if path.name not in keep:
-                _remove(path)
-        # What is there is incomplete or damaged (the caller checked, under the builders' lock).
-        _remove(self.final)
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(self.partial, self.final)
-        self.listener("done", {"index": index, "directory": str(self.final), "seconds": time.perf_counter() - self.started})
-        return index
+def _check_window_fits(variant, train_bytes: int, val_bytes: int) -> None:
+    """A corpus too short for one window of the run is refused before the tokenizer is fitted on it:
+    fitted on a few characters, it would otherwise fail first on one the validation part holds alone,
+    and blame the tokenizer. No tokenizer makes more tokens than bytes, but for a document's
+    specials (two allowed), so this refuses only what the run's own check would (lmlab.train.module)."""
+    chosen = variant.slots.get("objective")
+    if chosen is not None and getattr(chosen.build(), "sampling", "windows") != "windows":
+        return
+    block_size = variant.model.block_size
+    path = getattr(variant.options("data"), "path", None)
+    corpus = f"the corpus ({path})" if path is not None else "the corpus"
+    for split, held, needs in (("train", train_bytes, block_size + 2), ("val", val_bytes, block_size + 1)):
+        if held + 2 < needs:
+            raise UserError(f"{corpus} is too short: its {split} split holds {held:,} bytes, fewer than a window "
+                            f"of block_size + 1 = {block_size + 1} tokens needs; use more data or a smaller "
+                            "model.block_size", key="model.block_size")
 
 
 def _tables(instance, name: str) -> list[dict]:
@@ -387,11 +330,3 @@ def _tables(instance, name: str) -> list[dict]:
     if not isinstance(report, (list, tuple)) or not all(isinstance(t, Table) for t in report):
         raise TypeError(f"filter {name!r}: report() returned {report!r}; it returns a list of lmlab.api.Table")
     return [t.as_dict() for t in report]
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or folder; a symbolic link itself, never what it points to."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)

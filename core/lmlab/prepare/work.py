@@ -129,6 +129,19 @@ class Worker:
             segments = ((doc.encode("utf-8"), 1),)
         return size, segments, isinstance(doc, str), trace, signatures, weight
 
+    def read_part(self, task) -> tuple[list[tuple], dict]:
+        """One part of the data source read here and filtered, its kept text staged
+        (:func:`lmlab.prepare.staging.read_part`)."""
+        from lmlab.prepare import staging
+
+        return staging.read_part(task, self._filter_one)
+
+    def write_part(self, task: tuple) -> dict:
+        """A spool part written here from the text staged by :meth:`read_part`: ``task`` is
+        (part, spool folder, name, staging folder)."""
+        part, spool, name, stage = task
+        return part.write(spool, name, stage)
+
     def tokenize_part(self, task: TokenizeTask) -> dict:
         """The token shard of one spooled part: its files written, and its index entry."""
         tokenizer = self._tokenizer(task.tokenizer, task.tokenizer_dir)

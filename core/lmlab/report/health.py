@@ -1,7 +1,8 @@
 """A run's health from what it recorded (metrics.jsonl, summary.json, warnings.log), judged against
 the bands practitioners use: gradient norm about 0.1–10 (persistently below 0.01: learning rate too
 small; above 100: too large, or bad data), the std of the last 100 training losses below 0.5,
-data wait below 40 % of the step (utilisation under 60 % means an I/O or CPU bottleneck), and MFU."""
+data wait below 40 % of the step (utilisation under 60 % means an I/O or CPU bottleneck), and MFU
+(above 100 % is impossible, so the peak it divides by is wrong; below 5 % the device mostly idles)."""
 
 import math
 import statistics
@@ -15,12 +16,14 @@ GRAD_EXTREMES = (0.01, 100.0)
 UNSTABLE_STD = 0.5
 LOSS_WINDOW = 100
 DATA_WAIT_LIMIT = 0.4
+#: Below this MFU the device does little but wait: well-fed training reaches 30–50 % on GPUs.
+LOW_MFU = 0.05
 
 
 @dataclass
 class Finding:
     name: str  # what was judged: "gradient norm", "loss smoothness", ...
-    verdict: str  # "ok", "warning" or "not recorded"
+    verdict: str  # "ok", "warning", "not recorded"; for MFU also "low" or "implausible"
     detail: str  # the figures, and what they mean
 
     def as_dict(self) -> dict:
@@ -84,4 +87,14 @@ def _mfu(train: list[dict]) -> Finding:
     mfu = _finite(r.get("mfu") for r in train)
     if not mfu:
         return Finding("MFU", "not recorded", 'add "throughput" to [monitor] use')
-    return Finding("MFU", "ok", f"median {statistics.median(mfu):.1%} of the device's peak FLOP/s")
+    median = statistics.median(mfu)
+    detail = f"median {median:.1%} of the device's peak FLOP/s"
+    if median > 1.0:
+        return Finding("MFU", "implausible", f"{detail}, more than the device can do: the peak FLOP/s estimate "
+                       "is too low (on a CPU, measured while other work shared it; set [monitor.throughput] "
+                       "peak_tflops to the real figure)")
+    if median < LOW_MFU:
+        return Finding("MFU", "low", f"{detail}: the device mostly waits (a model or micro-batch too small to "
+                       "fill it, the data loader, host work between steps); try a larger train.batch_size, "
+                       "bf16-mixed on a GPU, and see the data wait")
+    return Finding("MFU", "ok", detail)

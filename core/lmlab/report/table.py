@@ -138,8 +138,10 @@ def format_table(c: Comparison) -> str:
                "within what the seeds' spread explains (not distinguishable). Each p-value tests one pair: among k "
                f"variants no better than the baseline, about k × {c.alpha:g} pass by chance.")
     out.append("step MB: what one training step holds (activations saved for backward + parameters, gradients, "
-               "optimizer state); peak MB: the process's peak (on a CPU its resident set, cumulative over the "
-               "variants one process ran).")
+               "optimizer state); peak MB: the variant's own peak, counted from its start (on a GPU the memory "
+               "allocated on the device; on a CPU the process's resident set, which includes what the process "
+               "already held, such as its libraries; outside Linux, where it cannot be reset, the process's "
+               "peak over every variant it ran before, unless they ran with --jobs).")
     for name, why in c.incomplete:
         out.append(f"left out: {name} ({why})")
     return "\n".join(out)

@@ -10,8 +10,9 @@ ends in ``.tmpl``, so that no tool takes a template for Python source of the cor
     templates/slots/generic/  the same for a slot without its own: a plugin that implements a hook
 
 Every slot of ``lmlab.api.SLOT_BASES`` has a template: attention, position and ffn (the slots of the
-conformance kit), peft, compress and every other slot with a base class of its own have dedicated
-ones; the rest (filter, monitor, whose plugins act through lifecycle hooks) use the generic one. A
+conformance kit), peft, compress, filter and every other slot with a base class of its own have
+dedicated ones, whose tests run the slot's kit; the rest (monitor, whose plugins act through lifecycle
+hooks) use the generic one. A
 compress method runs on a trained run (``lmlab compress``), not in a training manifest: its table is
 a comment saying so, and its example trains the run to compress.
 A generated plugin imports from the core only ``lmlab.api``; its tests also use ``lmlab.testing``.
@@ -107,7 +108,9 @@ def render(p: Plan) -> dict[str, str]:
             raise RuntimeError(f"template {path.relative_to(TEMPLATES)}: bad placeholder {exc}") from exc
 
     table = fill(slot_dir, "table.toml").strip()
-    data_table = "" if p.slot == "data" else fill(common, "data_table.toml").strip() + "\n\n"
+    # A slot whose example needs other data (an order ranks many documents) brings its own table.
+    data_dir = slot_dir if (slot_dir / "data_table.toml.tmpl").is_file() else common
+    data_table = "" if p.slot == "data" else fill(data_dir, "data_table.toml").strip() + "\n\n"
     tracker_table = "" if p.slot == "tracker" else '[tracker]\nuse = "none"\n\n'
     return {
         "pyproject.toml": fill(common, "pyproject.toml"),

@@ -9,6 +9,8 @@ them stops the server.
 """
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import socket
 import threading
@@ -22,14 +24,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from lmlab.errors import UserError
+from lmlab.errors import UserError, warn
 from lmlab.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
 from lmlab.serve.scheduler import Job
 
 
-def create_app(service, scheduler_thread: bool = True) -> FastAPI:
+# A body past this is refused before it is parsed: 64 bytes a token of context is far more than any
+# JSON spelling of a prompt that fits (an escaped character is 6 bytes), and a floor for small models.
+MIN_BODY_LIMIT = 1 << 20
+BODY_BYTES_PER_TOKEN = 64
+
+
+def create_app(service, scheduler_thread: bool = True, api_key: str | None = None):
     """The app over ``service`` (a :class:`~lmlab.serve.service.Service`). With ``scheduler_thread``
-    its scheduler runs in a background thread while the app does; else the caller runs it."""
+    its scheduler runs in a background thread while the app does; else the caller runs it. With
+    ``api_key`` every route wants ``Authorization: Bearer <api_key>`` (:class:`RequireKey`)."""
+    app = _routes(service, scheduler_thread)
+    return RequireKey(app, api_key) if api_key is not None else app
+
+
+def _routes(service, scheduler_thread: bool) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
@@ -44,6 +58,7 @@ def create_app(service, scheduler_thread: bool = True) -> FastAPI:
     app = FastAPI(title="lmlab serve", description=f"OpenAI-compatible endpoint for {service.model_id}",
                   lifespan=lifespan)
     app.state.service = service
+    body_limit = max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * service.context)
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, exc: ApiError):
@@ -82,17 +97,58 @@ def create_app(service, scheduler_thread: bool = True) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse(CompletionRequest, await request.body())
+        body = parse(CompletionRequest, await _read_body(request, body_limit))
         job = service.completion_job(body)
         return await _respond(service, job, body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse(ChatRequest, await request.body())
+        body = parse(ChatRequest, await _read_body(request, body_limit))
         job = service.chat_job(body)
         return await _respond(service, job, body, request, chat=True)
 
     return app
+
+
+class RequireKey:
+    """ASGI middleware: a request without ``Authorization: Bearer <key>`` gets OpenAI's 401 error object.
+
+    Plain ASGI rather than an ``@app.middleware``: Starlette's BaseHTTPMiddleware would sit between
+    a streamed response and its client, and the handlers' disconnect checks."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":  # lifespan
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("Incorrect API key provided" if given else
+                   "You didn't provide an API key: send it as 'Authorization: Bearer <key>'")
+        response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes ``limit`` bytes: never held whole in memory."""
+    def too_large():
+        return ApiError(413, f"the request body is over {limit} bytes, more than any prompt this model's context "
+                             "can hold", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _respond(service, job: Job, body, request: Request, chat: bool):
@@ -192,13 +248,36 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 32, cache: str = "paged",
-          model_name: str | None = None, overrides: list[str] = ()) -> int:
-    """``lmlab serve``: load the run, print the URL, serve until Ctrl-C (then 0).
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: what it resolves to
+        try:
+            found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The one-line warning for a server others can reach and use without a key, else None."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"lmlab serve listens on {host} without an API key: anyone who can reach this port can use the "
+            "model; give --api-key (or set LMLAB_API_KEY)")
+
+
+def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 32, cache: str | None = None,
+          model_name: str | None = None, overrides: list[str] = (), api_key: str | None = None) -> int:
+    """``lmlab serve``: load the run, print the URL, serve until Ctrl-C (KeyboardInterrupt, raised on
+    to the command: "interrupted", exit 130).
 
     uvicorn runs in a background thread and the scheduler in this one, the thread that loaded the
     model (see :meth:`~lmlab.serve.scheduler.Scheduler.run`); Ctrl-C ends the scheduler here, whose
-    open requests are told the server is shutting down, then uvicorn."""
+    open requests, and any that arrive after, are told the server is shutting down, then uvicorn."""
     import uvicorn
 
     from lmlab.serve.service import Service
@@ -209,11 +288,17 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     chat = "completions and chat" if service.template is not None else "completions (no chat template)"
+    decoding = service.request_options
+    settable = f"; requests may set {', '.join(decoding.fields)}" if decoding.fields else ""
     print(f"lmlab serve: model {service.model_id!r}, {service.context} tokens of context, {chat}; up to "
-          f"{max_batch} requests decoded together ({cache} cache)", flush=True)
-    print(f"lmlab serve: http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service, scheduler_thread=False), log_level="info",
-                                           timeout_graceful_shutdown=3))
+          f"{max_batch} requests decoded together ({service.scheduler.cache} cache), by "
+          f"{decoding.decoder.name!r}{settable}", flush=True)
+    if (warning := exposure_warning(host, api_key)) is not None:
+        warn(warning)
+    guarded = "; requests need the API key (Authorization: Bearer)" if api_key is not None else ""
+    print(f"lmlab serve: http://{shown}:{bound}/v1  (Ctrl-C to stop){guarded}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(service, scheduler_thread=False, api_key=api_key),
+                                           log_level="info", timeout_graceful_shutdown=3))
 
     def http() -> None:
         try:
@@ -223,13 +308,10 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: i
 
     thread = threading.Thread(target=http, name="lmlab-serve-http", daemon=True)
     thread.start()
-    interrupted = False
     try:
         service.scheduler.run()
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         server.should_exit = True
         thread.join(10)
         sock.close()
-    return 0 if interrupted or server.started else 1
+    return 0 if server.started else 1  # the loop ended without Ctrl-C: uvicorn stopped (failed to start: it said why)

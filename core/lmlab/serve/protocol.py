@@ -2,9 +2,11 @@
 
 Bodies are parsed strictly (a number given as a string is refused, as OpenAI does); fields OpenAI
 defines that this server does not implement are accepted at their neutral value (``logprobs: null``,
-penalties of 0, ``best_of: 1``...) and refused otherwise, rather than silently ignored. Unknown
-fields are ignored. ``seed`` and ``user`` are accepted and ignored: the server samples every request
-from one shared, seeded generator, so a request's seed cannot make it reproducible.
+``best_of: 1``...) and refused otherwise, rather than silently ignored. Every other top-level field
+(``temperature``, ``top_p``, ``min_p``, penalties...) is kept for the run's decoder
+(:mod:`lmlab.serve.decoding`): an option of its ``Options`` sets that option for the request, any
+other is refused naming it. ``seed`` gives the request a random generator of its own, so the same
+request gives the same text whatever else is decoded beside it; ``user`` is accepted and ignored.
 
 Every refusal is an :class:`ApiError`, sent as ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -41,38 +43,33 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# torch.Generator.manual_seed's range
+SEEDS = (-(1 << 63), (1 << 64) - 1)
+
+
 class _Sampling(_Body):
-    """What both endpoints take: the model, the length, sampling, stops and streaming."""
+    """What both endpoints take: the model, the length, stops, streaming, the seed; every other
+    field is the decoder's (``decoder_fields``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    seed: int | None = None  # accepted, ignored (one shared generator)
+    seed: int | None = None
     user: str | None = None  # accepted, ignored
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     def check(self) -> None:
-        """Refuse values the types allow but the server does not (OpenAI's ranges, n = 1, no penalties)."""
+        """Refuse values the types allow but the server does not (n = 1, a seed torch takes)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ApiError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise ApiError(400, f"temperature must be between 0 and 2, got {self.temperature}", "temperature")
-        if self.top_p is not None and not 0 <= self.top_p <= 1:
-            raise ApiError(400, f"top_p must be between 0 and 1, got {self.top_p}", "top_p")
         if self.n is not None and self.n != 1:
             raise ApiError(400, f"n must be 1 (one completion per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        if self.seed is not None and not SEEDS[0] <= self.seed <= SEEDS[1]:
+            raise ApiError(400, f"seed must be a 64-bit integer, got {self.seed}", "seed")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
         for s in self.stops():
@@ -84,13 +81,9 @@ class _Sampling(_Body):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    @property
-    def sampling_temperature(self) -> float:
-        return 1.0 if self.temperature is None else float(self.temperature)
-
-    @property
-    def sampling_top_p(self) -> float:
-        return 1.0 if self.top_p is None else float(self.top_p)
+    def decoder_fields(self) -> dict[str, Any]:
+        """The fields left for the decoder: every one this class does not declare, as given."""
+        return dict(self.model_extra or {})
 
     @property
     def include_usage(self) -> bool:
@@ -190,6 +183,9 @@ def parse(model: type[_Body], body: bytes) -> Any:
         where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
         why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
         raise ApiError(400, f"the request body is not valid JSON: {why}{where}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON for this server: it is nested too deeply",
+                       code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
     try:
@@ -203,6 +199,9 @@ def parse(model: type[_Body], body: bytes) -> Any:
 def validation_error(exc: ValidationError) -> ApiError:
     """Pydantic's errors for the first parameter at fault, as OpenAI words them: the parameter named."""
     errors = exc.errors()
+    if errors[0]["type"] == "json_invalid":  # pydantic's own parser gives up on deep nesting sooner than json's
+        return ApiError(400, f"the request body is not valid JSON for this server: {errors[0]['msg']}",
+                        code="invalid_json")
     param, _ = _where(errors[0]["loc"])
     if errors[0]["type"] == "missing":
         return ApiError(400, f"missing required parameter: {param!r}", param)

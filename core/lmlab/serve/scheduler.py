@@ -7,11 +7,12 @@ Each iteration of the loop
 2. admits waiting requests, first come first served, into free rows: with the paged cache only
    while the free blocks cover every running request's worst case (its prompt plus its most new
    tokens, capped at the context) and the new one's, so a running request never finds the pool
-   empty; the admitted prompts are prefilled together and their first token sampled;
+   empty; the admitted prompts are prefilled together and their first token chosen;
 3. runs ONE decode step for every running request, whatever its length (the engine's per-row
-   positions and key mask), samples each row with its own temperature and top-p, and finishes the
-   requests that reached a stop string, the end-of-text token or their max_tokens, giving back
-   their rows (and blocks) at once.
+   positions and key mask), has the run's token-level decoder choose every row's next token in one
+   call (``TokenDecoder.choose``), each row with its request's options and, for a seeded request,
+   its own generator, and finishes the requests that reached a stop string, the end-of-text token
+   or their max_tokens, giving back their rows (and blocks) at once.
 
 So a request that arrives while others are decoding joins them at the next step instead of waiting
 for the batch to finish, and a finished one leaves without holding the others up (Orca, Yu et al.
@@ -32,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmlab.api.decoding import TokenRows
 from lmlab.generation.engine import make_engine
 from lmlab.generation.kv import PagedKV
 from lmlab.generation.outputs import Outputs
-from lmlab.serve.sampling import choose
 
 _STOP = object()
 
@@ -46,9 +47,9 @@ class Job:
 
     ids: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float
+    options: object  # the decoder's Options for this request
     outputs: Outputs
+    generator: torch.Generator | None = None  # a seeded request's own; None: the scheduler's shared one
     stream: bool = False
     loop: object = None  # the asyncio loop of the request's handler
     events: object = None  # an asyncio.Queue on that loop: ("text", str), ("done", Job), ("error", str)
@@ -77,11 +78,13 @@ class Stats:
 
 
 class Scheduler:
-    """Up to ``max_batch`` requests decoded together over ``model``, with contexts of ``context`` tokens."""
+    """Up to ``max_batch`` requests decoded together over ``model`` by ``decoder`` (a ``TokenDecoder``),
+    with contexts of ``context`` tokens."""
 
-    def __init__(self, model, context: int, max_batch: int = 32, cache: str = "paged", block_size: int = 16,
-                 n_blocks: int | None = None, seed: int = 0):
-        self.model, self.context, self.max_batch = model, context, max_batch
+    def __init__(self, model, decoder, context: int, max_batch: int = 32, cache: str = "paged",
+                 block_size: int = 16, n_blocks: int | None = None, seed: int = 0):
+        self.model, self.decoder, self.context, self.max_batch = model, decoder, context, max_batch
+        self.cache = cache
         self.engine = make_engine(model, max_batch, context, cache=cache, block_size=block_size, n_blocks=n_blocks)
         self.store = getattr(self.engine, "store", None)
         self.paged = isinstance(self.store, PagedKV)
@@ -96,6 +99,10 @@ class Scheduler:
         self.stats = Stats()
         self._numbers = itertools.count()
         self._thread: threading.Thread | None = None
+        # Set once the loop has ended: a request submitted after that (a stream whose response was
+        # starting during Ctrl-C) is refused at once instead of waiting for an answer that never comes.
+        self._closed = False
+        self._closing = threading.Lock()
 
     # -- the handlers' side (any thread) ---------------------------------------------------------------
 
@@ -113,8 +120,16 @@ class Scheduler:
             self._thread = None
 
     def submit(self, job: Job) -> Job:
+        if len(job.ids) + job.max_tokens > self.context:
+            # Past the context a row would slide for ever (max_tokens is unbounded): the service refuses those.
+            raise ValueError(f"a prompt of {len(job.ids)} tokens and {job.max_tokens} new ones do not fit in the "
+                             f"context of {self.context}")
         job.number = next(self._numbers)
-        self.inbox.put(job)
+        with self._closing:
+            if not self._closed:
+                self.inbox.put(job)
+                return job
+        self._emit(job, ("error", "the server is shutting down"))
         return job
 
     def cancel(self, job: Job) -> None:
@@ -138,6 +153,7 @@ class Scheduler:
         ``lmlab serve`` runs it in the main thread, the one that loaded the model: on a CPU, torch
         ops from a second thread get a second OpenMP thread pool, and the two pools contend for the
         cores (one request decoded 1.5-3x slower on two cores, measured with a 1.6 M-parameter model)."""
+        self._closed = False
         try:
             with torch.no_grad():  # grad mode is per thread
                 while self._take_new(block=not self.live and not self.waiting):
@@ -149,7 +165,17 @@ class Scheduler:
                     except Exception as exc:  # a failed forward pass fails its requests, not the server
                         self._fail(exc)
         finally:
-            for job in [*self.live, *self.waiting]:
+            with self._closing:
+                self._closed = True
+            unstarted = []  # arrived but not yet taken: they must hear the news too
+            while True:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Job):
+                    unstarted.append(item)
+            for job in [*self.live, *self.waiting, *unstarted]:
                 self._emit(job, ("error", "the server is shutting down"))
             self.live, self.waiting = [], deque()
 
@@ -216,9 +242,9 @@ class Scheduler:
         self._sample(jobs, logits)
 
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
-        temperature = torch.tensor([j.temperature for j in jobs], device=logits.device)
-        top_p = torch.tensor([j.top_p for j in jobs], device=logits.device)
-        tokens = choose(logits, temperature, top_p, self.generator).tolist()
+        generators = [self.generator if j.generator is None else j.generator for j in jobs]
+        rows = TokenRows([j.options for j in jobs], generators, logits.device)
+        tokens = self.decoder.choose(logits.float(), rows).tolist()
         done = []
         for job, token in zip(jobs, tokens):
             out = job.outputs

@@ -2,8 +2,8 @@
 context and (for an instruction-tuned run) its chat template; requests become scheduler jobs here.
 
 The context is the model's position limit (``model.max_context``), or its ``block_size`` when the
-position scheme has none. A prompt must leave room for one new token; generation itself may run
-past the context (the engine keeps the last tokens that fit, as ``lmlab generate`` does).
+position scheme has none. A request's prompt plus ``max_tokens`` must fit in it (else a 400, as
+OpenAI and vLLM answer), so every request ends by the context: none can hold a row for ever.
 """
 
 import threading
@@ -12,6 +12,8 @@ from pathlib import Path
 
 from lmlab.errors import UserError
 from lmlab.generation.outputs import Outputs
+from lmlab.serve.decoding import RequestOptions, engine_settings, generator, servable
+from lmlab.serve.memory import check_fits
 from lmlab.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from lmlab.serve.scheduler import Job, Scheduler
 
@@ -36,17 +38,19 @@ class LockedTokenizer:
 
 
 class Service:
-    """What the HTTP app serves: one model under one id."""
+    """What the HTTP app serves: one model under one id, decoded by ``decoder`` (a ``TokenDecoder``)."""
 
-    def __init__(self, model, tokenizer, *, model_id: str, template=None, data_name: str | None = None,
+    def __init__(self, model, tokenizer, *, decoder, model_id: str, template=None, data_name: str | None = None,
                  max_batch: int = 32, cache: str = "paged", block_size: int = 16, n_blocks: int | None = None,
                  seed: int = 0):
         self.model_id = model_id
+        self.request_options = RequestOptions(decoder)
         self.tokenizer = LockedTokenizer(tokenizer)
         self.template = template
         self.data_name = data_name
         self.context = model.max_context if model.max_context is not None else model.block_size
-        self.scheduler = Scheduler(model, self.context, max_batch=max_batch, cache=cache, block_size=block_size,
+        check_fits(model, max_batch, self.context, cache, block_size, n_blocks)
+        self.scheduler = Scheduler(model, decoder, self.context, max_batch=max_batch, cache=cache, block_size=block_size,
                                    n_blocks=n_blocks, seed=seed)
         self.created = int(time.time())
 
@@ -54,21 +58,18 @@ class Service:
     def from_run(cls, run_dir: Path, *, overrides: list[str] = (), model_name: str | None = None,
                  **settings) -> "Service":
         """The run in ``run_dir`` (a UserError for a folder that is not a run, or a bidirectional model)."""
+        from lmlab.generation.runs import prepare_decoder
         from lmlab.trained import load_run, refuse_bidirectional
 
         run = load_run(Path(run_dir), list(overrides))
         refuse_bidirectional(run.objective)
         data = run.plugins.get("data")
         template = data.chat_template() if data is not None and hasattr(data, "chat_template") else None
-        decoding = getattr(run.plugins.get("decoding"), "options", None)
-        if getattr(decoding, "exit_threshold", None) is not None:
-            # The scheduler batches rows through the whole model; an exit decision is per row and per token.
-            raise UserError("lmlab serve decodes through every layer and cannot exit early; early exit is for "
-                            "lmlab generate: drop decoding.exit_threshold from the run's manifest or overrides",
-                            key="decoding.exit_threshold")
-        settings.setdefault("block_size", getattr(decoding, "block_size", 16))
+        decoder = servable(run.plugins["decoding"])
+        settings.update(engine_settings(decoder.options, overrides, settings.get("cache")))
+        prepare_decoder(decoder, run)
         name = model_name or Path(run_dir).resolve().name
-        return cls(run.model.eval(), run.tokenizer, model_id=name, template=template,
+        return cls(run.model.eval(), run.tokenizer, decoder=decoder, model_id=name, template=template,
                    data_name=getattr(data, "name", None), **settings)
 
     def start(self) -> None:
@@ -102,9 +103,11 @@ class Service:
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
+        options = self.request_options(request.decoder_fields())
         ids = self.encode(request.text)
-        max_tokens = request.max_tokens if request.max_tokens is not None else 16
-        return self._job(ids, max_tokens, request, request.stops())
+        # OpenAI's default of 16, cut to what the context leaves (a default cannot be refused)
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(16, self.context - len(ids))
+        return self._job(ids, max_tokens, request, request.stops(), options)
 
     def chat_job(self, request: ChatRequest) -> Job:
         self.check_model(request.model)
@@ -113,6 +116,7 @@ class Service:
                                 "gives none, so chat completions are not offered; use /v1/completions, or serve a "
                                 "run instruction-tuned on a data source with one (e.g. data.use = \"alpaca\")",
                            "messages", "chat_template_missing")
+        options = self.request_options(request.decoder_fields())
         prompt = self.template.render(request.instruction(), request.given())
         try:
             ids = self.encode(prompt)
@@ -121,9 +125,14 @@ class Service:
             raise
         max_tokens = request.max_tokens if request.max_tokens is not None else self.context - len(ids)
         stops = ([self.template.stop] if self.template.stop else []) + request.stops()
-        return self._job(ids, max_tokens, request, stops)
+        return self._job(ids, max_tokens, request, stops, options)
 
-    def _job(self, ids: list[int], max_tokens: int, request, stops: list[str]) -> Job:
+    def _job(self, ids: list[int], max_tokens: int, request, stops: list[str], options) -> Job:
+        if len(ids) + max_tokens > self.context:
+            raise ApiError(400, f"This model's maximum context length is {self.context} tokens. However, you "
+                                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                                f"in the completion). Please reduce the prompt or max_tokens (at most "
+                                f"{self.context - len(ids)} here).", "max_tokens", "context_length_exceeded")
         outputs = Outputs(self.tokenizer, [max_tokens], stop=[stops], eos_id=self.tokenizer.eos_id)
-        return Job(ids=ids, max_tokens=max_tokens, temperature=request.sampling_temperature,
-                   top_p=request.sampling_top_p, outputs=outputs, stream=bool(request.stream))
+        return Job(ids=ids, max_tokens=max_tokens, options=options, outputs=outputs, stream=bool(request.stream),
+                   generator=generator(request.seed, self.scheduler.device))

@@ -1,7 +1,7 @@
 """lmlab.testing — the conformance kit: one call checks a plugin against its slot's contract.
 
 Like scikit-learn's ``check_estimator``, for attention, position, ffn, optimizer, tokenizer, filter,
-data, tracker, decoding and objective plugins (parallel and peft below)::
+data, tracker, decoding, objective and compress plugins (parallel and peft below)::
 
     from lmlab.testing import check_attention
 
@@ -86,6 +86,7 @@ decoding              on the kit's reference model, its logits sharpened (:mod:`
   greedy_equivalence  at greedy options (``top_k``/beams 1, or ``greedy=``): each token the argmax of an
                       uncached forward over its prefix
   batch_independence  a prompt decoded in a batch = decoded alone
+  per_row_options     a TokenDecoder's choose: each row with its own options and generator (as serve)
   eos                 a row stops at its first EOS (then only EOS); generation ends when all rows have
   determinism         same generator seed → same tokens, whatever the global seed
   global_rng          with a generator, torch's global random state is left unchanged
@@ -100,10 +101,16 @@ objective             on the core's samplers over a corpus whose targets identif
   loss                ``compute_loss`` = a float64 cross-entropy by hand (``cross_entropy=False`` skips)
   ignore_index        zero gradient exactly where the target is -100
   determinism         same windows → same batch under other global seeds; global RNG untouched
+  difficulty          (API 1.10) one finite score per document, from the document alone, deterministic
   replica_slices      rows given as their own Windows (``first_row``) = those rows of the full batch
   heads               (API 1.10) ``heads`` are modules saved under ``heads.<name>.``, reset reproducibly
   runs                (API 1.10) the runs of ``needs_runs`` stay frozen, in eval mode, unchanged, and matter
   reports             (API 1.10) reported figures: lowercase names, finite detached sums, counts ≥ 1
+compress              on a tiny core model, d_model 128 (``model=``: a callable giving another)
+  reload              the record plain JSON; saved, ``weights_only``-loaded, restructured: same logits
+  bad_options         unknown keys and wrong types refused; int options at their range's ends refused
+                      by ``check_model`` (UserError naming the option, model untouched) or compressed
+  size                ``bits_per_weight``, ``linear_bytes_ratio``, ``params``... = the saved tensors'
 ====================  ==============================================================================
 
 Each of these slots also runs ``plugin_class`` first. Settings they accept besides ``seed`` and
@@ -118,10 +125,13 @@ or ``"preferences"``, prompt, chosen and rejected answers), ``runs`` (objective:
         check_data(MySource, {"path": str(tmp_path / "a.txt")})
 
 Pass the options that matter. Sequence checks run at ``block_size`` (16 by default), and again at a
-block_size past any int option of at least half that (2 × its value + 3, at most 256): a sliding
-window, a chunk or a block size of the plugin is exercised at the options given, not only the class
-defaults. A default too large for that (a window of 4096) is only exercised if a test also passes a
-small one: ``check_attention(MyAttention, {"window": 5})``.
+block_size past any int option of at least half that (2 × its value + 3, at most 1024), with single
+cached steps where each int option's value (and twice it) falls: a sliding window, a chunk or a block
+size of the plugin is exercised at the options given, not only the class defaults. Then each int
+option is set to the top of its range and checked past that: the maximum its Options field declares
+(``le``/``lt``, at most 510), or the range a test states with ``ranges={"window": (2, 300)}`` (not
+capped). An int option with neither is only exercised at the values tests pass:
+``check_attention(MyAttention, {"window": 5})``.
 
 Everything is built against a tiny :data:`DEFAULT_SHAPE` (2 layers, d_model 32, 4 heads,
 block_size 16, vocab 37) under fixed seeds, on the CPU, without touching the caller's random state;
@@ -156,7 +166,8 @@ adapter trains, that the adapter round-trips and, for a plugin that merges, that
 
 from collections.abc import Iterable
 
-from lmlab.testing import attention, data, decoding, ffn, filter, objective, optimizer, position, tokenizer, tracker
+from lmlab.testing import (attention, compress, data, decoding, ffn, filter, objective, optimizer, position,
+                           tokenizer, tracker)
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
 from lmlab.testing.decoding import check_decoding
 from lmlab.testing.generic import verify_class
@@ -178,6 +189,7 @@ SLOTS = {
     "tracker": (tracker.TrackerSubject, tracker.CHECKS),
     "decoding": (decoding.DecodingSubject, decoding.CHECKS),
     "objective": (objective.ObjectiveSubject, objective.CHECKS),
+    "compress": (compress.CompressSubject, compress.CHECKS),
 }
 
 
@@ -249,6 +261,12 @@ def check_tracker(plugin, options=None, **settings) -> None:
     run_checks(iter_checks(plugin, options, slot="tracker", **settings))
 
 
+def check_compress(plugin, options=None, **settings) -> None:
+    """Run every compress check on ``plugin`` (on ``model()``, a fresh model, when given); raise one
+    ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="compress", **settings))
+
+
 def check_plugin(plugin, options=None, **settings) -> None:
     """Run every check of the plugin's own slot (any slot in :data:`SLOTS`)."""
     run_checks(iter_checks(plugin, options, **settings))
@@ -273,7 +291,7 @@ def _slot(slot: str):
 
 __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
-    "check_attention", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
+    "check_attention", "check_compress", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
     "check_parallel_matches_single", "check_plan_matches_measured", "check_plugin",
     "check_objective", "check_plugin_class", "check_position", "check_tokenizer", "check_tracker",
     "check_peft", "iter_checks", "reference_model", "tiny_model",

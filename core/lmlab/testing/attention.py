@@ -13,9 +13,11 @@ every output must then depend on every input (and, without positions, not on the
 Sequences are ``block_size`` long (16 in the default shape). A window, a chunk or any other int option
 the plugin's options hold that reaches half of that would never be filled at 16 positions, so the
 checks whose outcome depends on the sequence length (causality, incremental_decoding, cache_reorder)
-run once more at a block_size past it: 2 × the largest such value + 3, at most 256. They read the
-options under test, not the class defaults: pass the options that matter (a window of 5, say) to
-exercise one that is larger than 256 by default, or each of several settings in turn.
+run once more at a block_size past it: 2 × the largest such value + 3, at most 1024, stepping the
+cache singly where each int option's value (and twice it) falls; and again with each int option at
+the top of its declared (``le``/``lt``) or stated (``ranges=``) range. They read the options under
+test, not the class defaults: pass the options that matter (a window of 5, say) to exercise one
+that is larger than 510 by default and declares no maximum.
 """
 
 import torch
@@ -23,7 +25,8 @@ import torch
 from lmlab.api import AttentionModule, MixerContext, PositionModule, UserError
 from lmlab.testing import generic
 from lmlab.testing.common import (BF16, DEPENDENT, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close,
-                                  expect_mostly_close, expect_tensor, fail, past_length_options, scale)
+                                  expect_mostly_close, expect_tensor, fail, scale)
+from lmlab.testing.lengths import past_length_options
 from lmlab.testing.reference import ReferencePositionModule
 
 BATCH = 2
@@ -172,7 +175,7 @@ def incremental_decoding(subject: AttentionSubject) -> None:
         with torch.no_grad():
             full = module(x, subject.context(position, 0, T))
             state = module.new_state(BATCH, T, subject.device, x.dtype)
-            for start, end, what in decoding_schedule(T):
+            for start, end, what in subject.schedule(T):
                 y = module(x[:, start:end], subject.context(position, start, end), state)
                 expect_close(y, full[:, start:end], SAME,
                              f"the cached {what} of positions {start}..{end - 1} differs from the full forward "
@@ -187,7 +190,7 @@ def cache_reorder(subject: AttentionSubject) -> None:
     x, _ = subject.example(subject.seed + 1, batch=3)
     T, position = x.shape[1], subject.schemes()[-1][1]
     index = torch.tensor([2, 0, 0], device=subject.device)
-    pieces = decoding_schedule(T)
+    pieces = subject.schedule(T)
     with torch.no_grad():
         full = module(x.index_select(0, index), subject.context(position, 0, T))
         state = module.new_state(3, T, subject.device, x.dtype)

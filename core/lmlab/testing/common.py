@@ -9,7 +9,6 @@ subclass and the checks that are particular to the slot.
 import contextlib
 import copy
 import dataclasses
-import functools
 import io
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
@@ -18,7 +17,8 @@ import pydantic
 import torch
 from torch import nn
 
-from lmlab.api import ModelShape, Options, Plugin
+from lmlab.api import ModelShape, Options, Plugin, UserError
+from lmlab.testing.schedule import decoding_schedule
 
 #: The shape every check builds against unless a test passes its own: tiny, so the kit runs in seconds.
 DEFAULT_SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=16, vocab_size=37)
@@ -31,8 +31,11 @@ BF16 = 0.1  # bfloat16 against float32: 8 mantissa bits, accumulated through a f
 DEPENDENT = 1e-4  # an output that must depend on a change moves by more than this (bidirectional mixers)
 
 #: The longest block_size a sequence check is lengthened to for an option (see :func:`past_length_options`):
-#: long enough for windows of a hundred tokens, short enough that attention over it takes milliseconds.
-LONGEST_BLOCK = 256
+#: long enough to cross windows of 500 tokens twice, short enough that attention over it takes milliseconds.
+LONGEST_BLOCK = 1024
+
+#: The largest value an int option is set to for its declared maximum: the longest block crosses it twice.
+LARGEST_OPTION = (LONGEST_BLOCK - 3) // 2
 
 
 class ConformanceError(AssertionError):
@@ -124,7 +127,8 @@ class Subject:
     slot = ""
 
     def __init__(self, plugin, options: dict | Options | None = None, *, shape: ModelShape | None = None,
-                 seed: int = 0, device: str | torch.device = "cpu", compile_backend: str = "aot_eager"):
+                 seed: int = 0, device: str | torch.device = "cpu", compile_backend: str = "aot_eager",
+                 ranges: dict[str, tuple[int, int]] | None = None):
         if isinstance(plugin, Plugin):  # an instance carries its own options
             plugin, options = type(plugin), plugin.options if options is None else options
         self.cls = plugin
@@ -133,6 +137,7 @@ class Subject:
         self.seed = seed
         self.device = torch.device(device)
         self.compile_backend = compile_backend
+        self.ranges = dict(ranges or {})  # option → (low, high) the author states it is meant for
         name = getattr(plugin, "name", "") or getattr(plugin, "__name__", repr(plugin))
         if isinstance(options, dict) and options:
             name += " (" + ", ".join(f"{k}={v!r}" for k, v in options.items()) + ")"
@@ -203,6 +208,12 @@ class Subject:
         return _seeded(seed, self.device)
 
     # -- sequence lengths the options call for -----------------------------------------------------
+    def int_options(self) -> dict[str, int]:
+        """name → value of every int option (not bool) as the options under test hold it."""
+        options = self.options
+        return {name: value for name in type(options).model_fields
+                if isinstance(value := getattr(options, name), int) and not isinstance(value, bool)}
+
     def length_options(self) -> dict[str, int]:
         """name → value of each int option that the shape's block_size does not exceed twice over.
 
@@ -210,13 +221,29 @@ class Subject:
         is as likely as one called ``window``, and lengthening a check for an int that is no length
         (a state size) costs milliseconds, while missing a window hides a wrong cache.
         """
-        options = self.options
-        found = {}
-        for name in type(options).model_fields:
-            value = getattr(options, name)
-            if isinstance(value, int) and not isinstance(value, bool) and 2 * value + 3 > self.shape.block_size:
-                found[name] = value
-        return found
+        return {name: value for name, value in self.int_options().items() if 2 * value + 3 > self.shape.block_size}
+
+    def option_tops(self) -> dict[str, tuple[int, str]]:
+        """name → (value, where it comes from) of the largest value each int option is checked at: the
+        top of the range the test states (``ranges={"window": (2, 300)}``), else the maximum its Options
+        field declares (``le``/``lt``), at most :data:`LARGEST_OPTION`. Options without either are
+        checked at their given value only."""
+        fields = type(self.options).model_fields
+        tops = {}
+        for name, value in self.int_options().items():
+            if name in self.ranges:
+                top, why = int(self.ranges[name][1]), "the top of the range the test states"
+            else:
+                bounds = [m.le for m in fields[name].metadata if getattr(m, "le", None) is not None]
+                bounds += [m.lt - 1 for m in fields[name].metadata if getattr(m, "lt", None) is not None]
+                if not bounds:
+                    continue
+                top, why = min(min(bounds), LARGEST_OPTION), "its declared maximum"
+                if top < min(bounds):
+                    why = f"its declared maximum {min(bounds)} capped at the kit's {LARGEST_OPTION}"
+            if top > value:
+                tops[name] = (top, why)
+        return tops
 
     def longest_block(self, block_size: int) -> int:
         """The longest block_size up to ``block_size`` the plugin can be checked at (a slot whose modules
@@ -229,34 +256,23 @@ class Subject:
         other.shape = dataclasses.replace(self.shape, block_size=block_size)
         return other
 
-
-def past_length_options(check: Callable[["Subject"], None]) -> Callable[["Subject"], None]:
-    """``check`` run at the subject's shape, then again at a block_size past every int option as large
-    as half of it: 2 × the largest such value + 3 (at most :data:`LONGEST_BLOCK`), so a sliding window or
-    chunk that the default 16 positions never fill, fills and is crossed in prefill, steps and chunks."""
-
-    @functools.wraps(check)
-    def run(subject: "Subject") -> None:
-        check(subject)
-        lengths = subject.length_options()
-        if not lengths:
-            return
-        name, value = max(lengths.items(), key=lambda item: item[1])
-        longer = subject.longest_block(min(2 * value + 3, LONGEST_BLOCK))
-        if longer <= subject.shape.block_size:
-            return
-        where = f"at block_size {longer}, past option {name} = {value}"
+    def with_option(self, name: str, value: int) -> "Subject | None":
+        """This subject with option ``name`` set to ``value``, or None where the plugin refuses that
+        value (its Options, or its build, raising UserError): a run could not use it either."""
+        other = copy.copy(self)
+        other.raw_options = {**self.options.model_dump(), name: value}
+        other.label = self.label
         try:
-            check(subject.at_block_size(longer))
-        except CheckFailed as exc:
-            fail(f"{where}: {exc}")
-        except Exception as exc:  # the plugin raised: name the length it raised at
-            raise CheckFailed(f"{where}: raised {type(exc).__name__}: {exc}") from exc
+            other.cls.Options(**other.raw_options)
+            other.build(other.seed)
+        except (pydantic.ValidationError, UserError):
+            return None
+        return other
 
-    run.__doc__ = (check.__doc__ or "").rstrip() + (
-        " Then again at a block_size past the plugin's int options that reach half the shape's block_size "
-        f"(2 × the largest + 3, at most {LONGEST_BLOCK}), so a window or chunk of that size is exercised.")
-    return run
+    def schedule(self, length: int) -> list[tuple[int, int, str]]:
+        """:func:`decoding_schedule` with single steps where each int option's value falls (and twice
+        it): where a window fills, a cache evicts and a ring buffer wraps."""
+        return decoding_schedule(length, self.int_options().values())
 
 
 @contextlib.contextmanager
@@ -328,21 +344,3 @@ def expect_tensor(output: Any, shape: tuple, dtype: torch.dtype, what: str) -> N
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
-
-
-def decoding_schedule(length: int) -> list[tuple[int, int, str]]:
-    """(start, end, kind) pieces covering [0, length) as a decoder feeds them: a prefill, single
-    steps, a multi-token chunk after the cache already holds tokens, a step and a last chunk."""
-    pieces, start = [], max(1, length // 3)
-    pieces.append((0, start, "prefill"))
-    for _ in range(3):
-        if start < length:
-            pieces.append((start, start + 1, "single step"))
-            start += 1
-    chunk = max(2, (length - start) // 2)
-    for kind, size in (("chunk", chunk), ("single step", 1), ("chunk", length)):
-        end = min(length, start + size)
-        if start < end:
-            pieces.append((start, end, kind if end - start > 1 else "single step"))
-            start = end
-    return pieces

@@ -106,6 +106,36 @@ def fingerprint(subject: DataSubject) -> None:
         fail(f"reading the documents changed fingerprint() from {value!r} to {source.fingerprint()!r}")
 
 
+def parts(subject: DataSubject) -> None:
+    """A source that cuts its corpus into parts (``parts``, API 1.16) cuts it so that ``documents_in``
+    of each part, each read by a fresh instance as a Dask worker reads it, yields exactly what
+    ``documents()`` yields, and the parts' ``stats()`` sum to the whole pass's; for pieces of one byte
+    and of a gigabyte."""
+    from lmlab.api import DataSource
+
+    if subject.cls.parts is DataSource.parts:
+        return
+    source = subject.plugin()
+    whole, counts = subject.read(source), source.stats()
+    for size in (1, 1 << 30):
+        cut = source.parts(size)
+        if cut is None:
+            continue
+        docs, summed = [], {}
+        for part in cut:
+            reader = subject.plugin()
+            docs += list(reader.documents_in(part))
+            for what, n in reader.stats().items():
+                summed[what] = summed.get(what, 0) + n
+        if docs != whole:
+            fail(f"documents_in of parts({size}) yielded {len(docs)} documents"
+                 + (f", the first that differs {_describe(next(b for a, b in zip(whole, docs) if a != b))}"
+                    if any(a != b for a, b in zip(whole, docs)) else "")
+                 + f"; documents() yields {len(whole)}: the parts must read the same corpus in the same order")
+        if summed != counts:
+            fail(f"the stats() of parts({size}) sum to {summed!r}, a full pass's are {counts!r}")
+
+
 #: name → check, in the order ``check_data`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
@@ -113,4 +143,5 @@ CHECKS = {
     "determinism": determinism,
     "stats": stats,
     "fingerprint": fingerprint,
+    "parts": parts,
 }

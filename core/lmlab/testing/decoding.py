@@ -16,7 +16,7 @@ any ``*beam*`` count 1). A plugin with another such setting says so with ``greed
 import torch
 from torch import nn
 
-from lmlab.api import Decoder, InferenceCache, Options
+from lmlab.api import Decoder, InferenceCache, Options, TokenDecoder, TokenRows
 from lmlab.testing import generic
 from lmlab.testing.common import SAME, Subject, fail, run_checks, select_checks
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition
@@ -224,6 +224,37 @@ def batch_independence(subject: DecodingSubject) -> None:
                  f"{batch[r, PROMPT:].tolist()}, but the same prompt alone continues {alone[0, PROMPT:].tolist()}")
 
 
+def per_row_options(subject: DecodingSubject) -> None:
+    """A ``TokenDecoder`` (API 1.17) chooses each row with that row's options and generator, as
+    ``lmlab serve`` batches requests that set their own: in one ``choose`` over rows alternating the
+    options under test and the greedy ones, the greedy rows take the argmax, and every row chooses what
+    it chooses alone with a generator seeded alike (a decoder reading ``self.options``, or drawing
+    every row from one generator, fails). Other decoders are not checked."""
+    decoder = subject.decoder()
+    greedy = subject.greedy_options()
+    if not isinstance(decoder, TokenDecoder) or not subject.deterministic(greedy):
+        return  # greedy_equivalence reports a plugin random at its greedy options
+    B, V = 6, subject.shape.vocab_size
+    logits = subject.randn(B, V, seed=subject.seed + 4)  # flat enough that a draw shows
+    options = [subject.options, greedy] * (B // 2)
+
+    def generator(i: int) -> torch.Generator:
+        return torch.Generator(device=subject.device).manual_seed(subject.seed + 10 + i)
+
+    with torch.no_grad():
+        together = decoder.choose(logits, TokenRows(options, [generator(i) for i in range(B)], subject.device))
+        alone = [int(decoder.choose(logits[i:i + 1], TokenRows([options[i]], [generator(i)], subject.device))[0])
+                 for i in range(B)]
+    if together.tolist() != alone:
+        fail(f"choose over {B} rows, each with its own options and generator, gave {together.tolist()}, but each row "
+             f"alone gives {alone}: read every option through rows.values and draw through rows.sample")
+    argmax = logits.argmax(dim=-1).tolist()
+    wrong = [i for i in range(1, B, 2) if alone[i] != argmax[i]]
+    if wrong:
+        fail(f"rows {wrong} of a step carry the greedy options {greedy.model_dump()} but did not choose the argmax: "
+             "choose must read each row's options from rows (rows.values), not self.options")
+
+
 def eos(subject: DecodingSubject) -> None:
     """With a model whose logits make each row emit ``eos_id`` at one step (rows at new tokens 2, 5
     and 0) and never before: generation stops once every row has emitted it (T + 6 columns), each
@@ -286,6 +317,7 @@ CHECKS = {
     "max_new_tokens": max_new_tokens,
     "greedy_equivalence": greedy_equivalence,
     "batch_independence": batch_independence,
+    "per_row_options": per_row_options,
     "eos": eos,
     "determinism": determinism,
     "global_rng": global_rng,

@@ -22,11 +22,11 @@ import torch
 from lmlab.api import IGNORE_INDEX, Batch, Objective, Options, TokenSplit, UserError, Vocabulary, Windows
 from lmlab.testing import generic
 from lmlab.testing.common import Subject, fail, run_checks, select_checks
+from lmlab.testing.objective_documents import ROWS, difficulty, replica_slices
 from lmlab.testing.objective_runs import (hand_over, heads, ignore_index, loss, model_padding, preference_documents,
                                           reports, resolve_runs, runs)
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition
 
-ROWS = 4
 SHORTCUT = 0.5  # a share of scored targets readable at one input offset that no real objective reaches
 
 
@@ -339,35 +339,6 @@ def determinism(subject: ObjectiveSubject) -> None:
             fail(f"the same Windows gave different batches under different global random states (in {name})")
 
 
-def replica_slices(subject: ObjectiveSubject) -> None:
-    """For an objective that takes Windows: rows 2..3 of a global batch of 4, given as their own Windows
-    (``first_row`` 2, ``total_rows`` 4, the same seed), make rows 2..3 of the global batch's Batch: a
-    data-parallel replica gets what one device would (``Windows.rand`` slices the global draw). A tensor
-    field of k·4 rows is compared as k rows per window, k blocks of 4 (a pair batch's chosen rows, then
-    its rejected ones) or k consecutive rows per window. The replicas of rows 0..1 and 2..3 have
-    ``n_scored()`` that add up to the global batch's (evaluation sums every process's count)."""
-    objective, windows, made = subject.sample()
-    if not objective.wants_windows():
-        return
-    parts = [subject.batch(objective, dataclasses.replace(windows, first_row=rows.start, total_rows=ROWS, **{
-        name: getattr(windows, name)[rows] for name in ("tokens", "labels", "padding")
-        if getattr(windows, name) is not None})) for rows in (slice(0, 2), slice(2, ROWS))]
-    mine, whole = ({f.name: getattr(b, f.name) for f in dataclasses.fields(b)} for b in (parts[1], made))
-    for name, value in whole.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] % ROWS:
-            continue  # not one or more rows per window
-        k, rest = value.shape[0] // ROWS, value.shape[1:]
-        expected = (value.reshape(k, ROWS, *rest)[:, 2:].reshape(-1, *rest),
-                    value.reshape(ROWS, k, *rest)[2:].reshape(-1, *rest))
-        if not (isinstance(mine.get(name), torch.Tensor) and any(
-                mine[name].shape == e.shape and torch.equal(mine[name], e) for e in expected)):
-            fail(f"rows 2..3 made as a replica's Windows (first_row 2 of 4) give other {name} than rows 2..3 of the "
-                 "global batch: draw per-batch randomness with Windows.rand / randint, which slice the global draw")
-    if int(parts[0].n_scored()) + int(parts[1].n_scored()) != int(made.n_scored()):
-        fail(f"n_scored() of rows 0..1 and 2..3 made as replicas' Windows are {int(parts[0].n_scored())} and "
-             f"{int(parts[1].n_scored())}, and the global batch's {int(made.n_scored())}: not their sum")
-
-
 #: name → check, in the order ``check_objective`` runs them.
 CHECKS = {
     "plugin_class": generic.plugin_class,
@@ -384,6 +355,7 @@ CHECKS = {
     "runs": runs,
     "reports": reports,
     "determinism": determinism,
+    "difficulty": difficulty,
     "replica_slices": replica_slices,
 }
 

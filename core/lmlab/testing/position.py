@@ -19,8 +19,9 @@ import torch
 
 from lmlab.api import PositionModule
 from lmlab.testing import generic
-from lmlab.testing.common import (BF16, INDEPENDENT, SAME, Subject, decoding_schedule, expect_close, expect_finite,
-                                  expect_mostly_close, expect_tensor, fail, past_length_options)
+from lmlab.testing.common import (BF16, INDEPENDENT, SAME, Subject, expect_close, expect_finite,
+                                  expect_mostly_close, expect_tensor, fail)
+from lmlab.testing.lengths import past_length_options
 from lmlab.testing.reference import reference_model
 
 BATCH = 2
@@ -165,7 +166,7 @@ def incremental_decoding(subject: PositionSubject) -> None:
     with torch.no_grad():
         full = model(idx)
         cache = model.new_cache(BATCH, length)
-        for start, end, what in decoding_schedule(length):
+        for start, end, what in subject.schedule(length):
             expect_close(model(idx[:, start:end], cache=cache), full[:, start:end], SAME,
                          f"with the reference attention, the cached {what} of positions {start}..{end - 1} differs "
                          "from the full forward", offset=start)

@@ -83,17 +83,15 @@ class RandomWindows(EndlessBatches):
         self.rich, self.labels = rich, labels
         self._offsets = np.arange(block_size + 1)
         # Drawing by document (``documents``: the (starts, ends) of the non-empty training documents):
-        # while a curriculum (lmlab.train.curriculum) ramps up, windows start inside the easiest
-        # documents only; with ``weights`` (one per document, from the filters), a window starts in a
+        # while the data order (lmlab.train.curriculum.Schedule) restricts a step's pool, windows start
+        # inside its documents only; with ``weights`` (one per document, from the filters), a window starts in a
         # document with probability proportional to its tokens times its weight.
         self.curriculum, self.documents, self.weights = curriculum, documents, weights
 
     def _document_starts(self, step: int, total: int) -> np.ndarray | None:
         """Window starts drawn by document, uniform within one; None when neither a curriculum nor
         weights restrict the plain uniform draw."""
-        chosen = None
-        if self.curriculum is not None and self.curriculum.available(step) < len(self.curriculum.order):
-            chosen = self.curriculum.order[:self.curriculum.available(step)]
+        chosen = self.curriculum.pool(step) if self.curriculum is not None else None
         if chosen is None and self.weights is None:
             return None
         starts, ends = self.documents
@@ -218,7 +216,7 @@ class RandomDocuments(EndlessBatches):
         self.length, self.batch_size, self.seed = block_size + 1, batch_size, seed
         self.replica, self.replicas, self.start, self.accum = replica, replicas, start, accum
         self.labels, self.pad_id = labels, pad_id
-        self.curriculum = curriculum  # lmlab.train.curriculum.Curriculum over these documents, or None
+        self.curriculum = curriculum  # lmlab.train.curriculum.Schedule over these documents, or None
         self.weights = weights  # (n,) per non-empty document: draws in proportion to them, or None
         self._orders: dict[int, np.ndarray] = {}
 
@@ -232,9 +230,7 @@ class RandomDocuments(EndlessBatches):
     def documents(self, index: int) -> np.ndarray:
         """(B,) indices of this replica's documents in micro-batch ``index``."""
         step, first, total = self.slot(index)
-        pool = None
-        if self.curriculum is not None and (available := self.curriculum.available(step)) < len(self.starts):
-            pool = self.curriculum.order[:available]  # the easiest documents
+        pool = self.curriculum.pool(step) if self.curriculum is not None else None  # e.g. the easiest documents
         if pool is not None or self.weights is not None:
             pool = np.arange(len(self.starts)) if pool is None else pool
             rng = np.random.default_rng([self.seed, CURRICULUM_DRAWS, step])

@@ -65,11 +65,16 @@ class Control(RunControl):
                 if all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
                     break
         else:
+            state = None
+        optimizer = trainer.optimizers[0]
+        if state is not None:
+            module.model.load_state_dict(weights, strict=module.peft is None)
+            optimizer.load_state_dict(state["optimizer_states"][0])
+        elif not all(torch.isfinite(p).all() for p in module.model.parameters() if p.is_floating_point()):
             raise RunFailed(Diagnosis("non-finite", f"{reason}, and there is no finite checkpoint to roll back to "
                                       "yet", fixes=nonfinite_fixes(self.manifest, self.lr)))
-        module.model.load_state_dict(weights, strict=module.peft is None)
-        optimizer = trainer.optimizers[0]
-        optimizer.load_state_dict(state["optimizer_states"][0])
+        # else: no checkpoint yet, but the skipped steps left the weights as the last good step made
+        # them, which is the newest finite state there is: it stays, and only the rate is lowered.
         # Lower the schedule's peak (LambdaLR multiplies each group's initial_lr by the factor), so the
         # lower rate holds from here on and is saved with the scheduler in later checkpoints.
         for config in trainer.lr_scheduler_configs:
@@ -80,11 +85,12 @@ class Control(RunControl):
                 group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
         for p in module.model.parameters():
             p.grad = None
-        step = int(state.get("global_step", 0))
+        step = int(state.get("global_step", 0)) if state is not None else trainer.global_step
         self.rollbacks.append({"at_step": trainer.global_step + 1, "to_step": step, "lr_factor": lr_factor,
                                "reason": reason})
-        self.note(f"step {trainer.global_step + 1}: {reason}; rolled back to the checkpoint of step {step}, "
-                  f"learning rates × {lr_factor:g} from now on")
+        where = (f"rolled back to the checkpoint of step {step}" if state is not None else
+                 f"no checkpoint yet: kept the weights of step {step}, which the skipped steps left as they were")
+        self.note(f"step {trainer.global_step + 1}: {reason}; {where}, learning rates × {lr_factor:g} from now on")
         return step
 
     def locate_nonfinite(self) -> str | None:

@@ -1,19 +1,13 @@
-"""The LightningModule and DataModule around an assembled LanguageModel."""
+"""The LightningModule around an assembled LanguageModel (its data: lmlab.train.data_module)."""
 
 import lightning as L
-import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from lmlab.api import UserError
 from lmlab.compress.restore import KEY as COMPRESS_KEY
 from lmlab.compress.restore import records_of
 from lmlab.model import compute_loss
-from lmlab.train import curriculum
-from lmlab.train.batches import (FixedDocuments, FixedWindowBatches, FixedWindows, RandomDocuments, RandomWindows,
-                                 document_spans)
 from lmlab.train.memory import SavedBytes
-from lmlab.train.replay import Replayed
 from lmlab.train.schedule import WarmupDecay
 
 
@@ -51,6 +45,8 @@ class LMModule(L.LightningModule):
         self.objective = objective
         # Dispatched once: an objective that asks for Windows (labels, padding, randomness) gets them;
         # others get the plain (B, T+1) tensors, with nothing added per step.
+        # Only an objective that can leave a whole batch unscored pays for counting what each scored.
+        self._counts_scored = bool(getattr(objective, "drops_truncated", False))
         self.make_batch = (None if objective is None else
                            objective.make_batch_from if objective.wants_windows() else objective.make_batch)
         self.optimizer_plugin = optimizer
@@ -62,6 +58,7 @@ class LMModule(L.LightningModule):
         self._val_reports: dict[str, tuple[torch.Tensor, int]] = {}
         self.val_reports: dict[str, float] = {}
         self.last_loss: torch.Tensor | None = None  # the current step's loss (micro-batch mean), not synced
+        self.last_scored: torch.Tensor | None = None  # of the current step's micro-batches, those that scored any
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
         self._loss_step, self._micro = -1, 0  # the optimizer step last_loss averages over, micro-batches so far
         self.val_loss: float | None = None
@@ -130,22 +127,36 @@ class LMModule(L.LightningModule):
         if self._peft_loss is not None:
             extra = self._peft_loss(self.model)
             out = out._replace(total=out.total + extra, aux=extra if out.aux is None else out.aux + extra)
-        self._note_loss(out.loss.detach(), out.aux.detach() if out.aux is not None else None)
+        self._note_loss(out.loss.detach(), out.aux.detach() if out.aux is not None else None,
+                        batch.n_scored() if self._counts_scored else None)
         return out.total
 
-    def _note_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def _note_loss(self, loss: torch.Tensor, aux: torch.Tensor | None, scored: torch.Tensor | None = None) -> None:
         """``last_loss``: the mean over the micro-batches of the optimizer step so far, which after its
         last micro-batch is the step's loss (what one batch of all their rows gives, as the gradient
-        is); no host sync."""
+        is); no host sync. With ``scored`` (only for an objective that can leave a whole batch
+        unscored, ``drops_truncated``) the mean is over the micro-batches that scored something, and
+        ``last_scored`` counts them (0: the step's loss means nothing, and is not logged)."""
         step = self.trainer.global_step
         if step != self._loss_step:
             self._loss_step, self._micro = step, 0
         self._micro += 1
+        if scored is not None:
+            # A micro-batch without a scored target returns a stand-in loss (0): it must not pull the mean.
+            counts = (scored > 0).to(torch.float32)
+            value = torch.where(counts > 0, loss.float(), 0.0)
+            if self._micro == 1:
+                self._loss_sum, self.last_scored = value, counts
+            else:
+                self._loss_sum, self.last_scored = self._loss_sum + value, self.last_scored + counts
+            self.last_loss = (self._loss_sum / self.last_scored.clamp(min=1)).to(loss.dtype)
+        elif self._micro == 1:
+            self.last_loss = loss
+        else:
+            self.last_loss = self.last_loss + (loss - self.last_loss) / self._micro
         if self._micro == 1:
-            self.last_loss, self.last_aux = loss, aux
-            return
-        self.last_loss = self.last_loss + (loss - self.last_loss) / self._micro
-        if aux is not None and self.last_aux is not None:
+            self.last_aux = aux
+        elif aux is not None and self.last_aux is not None:
             self.last_aux = self.last_aux + (aux - self.last_aux) / self._micro
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
@@ -296,94 +307,3 @@ def grad_norm(optimizer) -> torch.Tensor | None:
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     full = getattr(norm, "full_tensor", None)  # a DTensor when the model is sharded
     return (full() if full is not None else norm).float()
-
-
-def check_windows_fit(tokens, block_size: int) -> None:
-    """Each split holds at least one window of block_size + 1 tokens (training draws from a range
-    one longer), or the run is refused before it starts."""
-    for split, needs in (("train", block_size + 2), ("val", block_size + 1)):
-        held = len(getattr(tokens, split))
-        if held < needs:
-            raise UserError(f"the {split} split of the data holds {held:,} tokens, fewer than a window of "
-                            f"block_size + 1 = {block_size + 1} needs; use more data or a smaller model.block_size",
-                            key="model.block_size")
-
-
-class TokenDataModule(L.LightningDataModule):
-    """Batches of the prepared tokens, drawn as the objective asks (see :mod:`lmlab.train.batches`).
-
-    With an ``objective`` that asks for Windows, its ``token_labels`` are set up here, once per split
-    (which is where a corpus that cannot serve it is refused), and batches are Windows of random or
-    fixed windows, or of padded documents; otherwise plain (B, T+1) tensors.
-    """
-
-    def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
-                 seed: int, grad_accum: int, objective=None, replay=None, replay_fraction: float = 0.0,
-                 data_options=None):
-        super().__init__()
-        self.replay, self.replay_fraction = replay, replay_fraction  # lmlab.train.replay
-        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
-        self.eval_batch_size, self.eval_steps, self.seed = eval_batch_size, eval_steps, seed
-        self.grad_accum = grad_accum
-        self.full_validation = False
-        self.rich = objective is not None and objective.wants_windows()
-        self.sampling = getattr(objective, "sampling", "windows")
-        if self.sampling not in ("windows", "documents"):
-            raise ValueError(f"objective {objective.name!r}: sampling must be 'windows' or 'documents', "
-                             f"not {self.sampling!r}")
-        if self.sampling == "documents" and not self.rich:
-            raise TypeError(f"objective {objective.name!r} samples padded documents, so it must override "
-                            "make_batch_from (only Windows say where the padding is)")
-        if self.sampling == "windows":
-            check_windows_fit(tokens, block_size)
-        self.labels = {split: objective.token_labels(tokens.split(split)) if self.rich else None
-                       for split in ("train", "val")}
-        self.curriculum, self.train_documents, self.weights = None, None, None
-        weights = tokens.document_weights("train") if hasattr(tokens, "document_weights") else None
-        if getattr(data_options, "curriculum", "none") != "none" or weights is not None:
-            document_starts = tokens.document_starts("train")
-            starts, ends = document_spans(tokens.train, document_starts)
-            keep = np.diff(np.append(np.asarray(document_starts, dtype=np.int64), len(tokens.train))) > 0
-            self.curriculum = curriculum.build(data_options, tokens, objective, starts, ends, keep)
-            self.train_documents = (starts, ends)
-            if weights is not None:
-                self.weights = weights[keep]
-                if not self.weights.sum() > 0:
-                    raise UserError("the filters weighed every training document 0: training has nothing to draw",
-                                    key="filter.use")
-
-    def train_dataloader(self) -> DataLoader:
-        # Called after a checkpoint is restored, so global_step already says where to continue.
-        start = self.trainer.global_step * self.grad_accum
-        # Data-parallel replicas, which are not all ranks under tensor or pipeline parallelism: ranks
-        # that hold parts of one replica must see the same batch.
-        sharding = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        replicas = {"replica": sharding.get("rank", 0), "replicas": sharding.get("num_replicas", 1), "start": start,
-                    "accum": self.grad_accum}
-        if self.sampling == "documents":
-            windows = RandomDocuments(self.tokens.train, self.tokens.document_starts("train"), self.block_size,
-                                      self.batch_size, self.seed, labels=self.labels["train"],
-                                      curriculum=self.curriculum, weights=self.weights, **replicas)
-        else:
-            windows = RandomWindows(self.tokens.train, self.block_size, self.batch_size, self.seed,
-                                    rich=self.rich, labels=self.labels["train"], curriculum=self.curriculum,
-                                    documents=self.train_documents, weights=self.weights, **replicas)
-        if self.replay is not None:
-            windows = Replayed(windows, self.replay, self.replay_fraction, self.block_size, self.batch_size,
-                               self.seed, **replicas)
-        # Own generators: iterating a DataLoader draws a seed from its generator, and drawing it from
-        # the global one would shift every later dropout mask when a resumed run re-creates it.
-        return DataLoader(windows, batch_size=None, generator=torch.Generator())
-
-    def val_dataloader(self) -> DataLoader:
-        limit = None if self.full_validation else self.eval_steps * self.eval_batch_size
-        if not self.rich:
-            windows = FixedWindows(self.tokens.val, self.block_size, limit)
-            return DataLoader(windows, batch_size=self.eval_batch_size, shuffle=False, generator=torch.Generator())
-        if self.sampling == "documents":
-            batches = FixedDocuments(self.tokens.val, self.tokens.document_starts("val"), self.block_size,
-                                     self.eval_batch_size, self.seed, limit, labels=self.labels["val"])
-        else:
-            batches = FixedWindowBatches(self.tokens.val, self.block_size, self.eval_batch_size, self.seed, limit,
-                                         labels=self.labels["val"])
-        return DataLoader(batches, batch_size=None, shuffle=False, generator=torch.Generator())

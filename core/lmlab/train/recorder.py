@@ -137,12 +137,23 @@ class RunRecorder(L.Callback):
         tokens_per_s = steps * self.tokens_per_step * trainer.world_size / max(now - self._window_start, 1e-9)
         self._window_start, self._window_step = now, step
         self.throughput.append(tokens_per_s)
-        loss = pl_module.last_loss
-        if trainer.world_size > 1:
-            # The loss of the whole global batch, as one device training on all of it would report:
-            # every rank reaches this line at the same step, so the collective cannot deadlock.
-            loss = trainer.strategy.reduce(loss, reduce_op="mean")
-        self.train_loss = loss.item()  # the one host sync per log interval
+        loss, scored = pl_module.last_loss, getattr(pl_module, "last_scored", None)
+        # Every rank reaches these collectives at the same step, so they cannot deadlock.
+        if scored is None:
+            if trainer.world_size > 1:  # the loss of the whole global batch, as one device would report it
+                loss = trainer.strategy.reduce(loss, reduce_op="mean")
+            value, scored = loss.item(), 1  # the one host sync per log interval
+        else:
+            if trainer.world_size > 1:  # weighted by the micro-batches each rank scored
+                both = trainer.strategy.reduce(torch.stack([loss.float() * scored, scored.float()]), reduce_op="sum")
+                loss, scored = both[0] / both[1].clamp(min=1), both[1]
+            value, scored = torch.stack([loss.float(), scored.float()]).tolist()  # the one host sync
+        if scored == 0:
+            # Nothing in this step's batch was scored (every preference pair too long for a row, say):
+            # its loss is a stand-in, not a point of the curve nor the summary's train_loss.
+            value = None
+        else:
+            self.train_loss = value
         reports = {}
         if pl_module.train_reports:  # Objective.report's figures over the interval, every process together
             from lmlab.train.module import reduce_reports
@@ -150,13 +161,14 @@ class RunRecorder(L.Callback):
             reports = {f"train_{k}": v for k, v in reduce_reports(pl_module.train_reports, trainer.strategy,
                                                                   loss.device).items()}
         skipped = self.control is not None and self.control.last_skipped == step
-        if not math.isfinite(self.train_loss) and self.cfg.precision != "16-mixed" and not skipped:
+        if value is not None and not math.isfinite(value) and self.cfg.precision != "16-mixed" and not skipped:
             # Under 16-mixed an overflowing step is skipped by the loss scaler and training goes on.
-            raise Diverged(f"the training loss is {self.train_loss} at step {step}: training diverged (lower "
+            raise Diverged(f"the training loss is {value} at step {step}: training diverged (lower "
                            "optimizer.lr, or set train.grad_clip)")
         if trainer.is_global_zero:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
-            record = {"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
+            record = {"step": step, **({"train_loss": value} if value is not None else {}), "lr": lr,
+                      "tokens_per_s": tokens_per_s}
             if skipped:  # a monitor left this step out (its loss was not finite): the weights did not change
                 record["skipped"] = True
             if pl_module.last_aux is not None:

@@ -16,17 +16,14 @@ from lmlab import checkpoint, checks, objective_runs, pretrained, provenance, si
 from lmlab.assemble import assemble
 from lmlab.api import RunInfo
 from lmlab.api.monitor import RunFailed
-from lmlab.config import TrainOptions
 from lmlab.errors import UserError
 from lmlab.hooks import Hooks
-from lmlab.train import adapters, allocator, memory
+from lmlab.train import adapters, allocator, curriculum, memory
 from lmlab.train.control import Control
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
 from lmlab.rundir import atomic_write_bytes, write_json, write_toml
 from lmlab.train.sweep import is_main_process
-
-DEFAULT_SAMPLE_PROMPT = TrainOptions.model_fields["sample_prompt"].default
 
 
 @dataclass
@@ -109,7 +106,8 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     import lightning as L
 
     from lmlab.train.checkpoint_io import RunFolderCheckpointIO
-    from lmlab.train.module import LMModule, TokenDataModule, check_windows_fit
+    from lmlab.train.data_module import TokenDataModule, check_windows_fit
+    from lmlab.train.module import LMModule
     from lmlab.train.recorder import RunRecorder
 
     cfg = variant.train
@@ -119,7 +117,6 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     plugins, tokens, shape, model = built.plugins, built.tokens, built.shape, built.model
     if getattr(plugins["objective"], "sampling", "windows") == "windows":
         check_windows_fit(tokens, shape.block_size)
-    _check_sample_prompt(cfg, plugins["objective"], tokens.tokenizer)
     # The newest readable checkpoint (a damaged last.ckpt falls back to best.ckpt, with a warning).
     ckpt_path = checkpoint.resume_point(run_dir) if resume else None
     # [init]: the weights a fine-tune starts from, loaded before anything adapts, wraps or shards the
@@ -153,7 +150,12 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
                                  variant.seed, cfg.grad_accum, objective=plugins["objective"],
                                  replay=replay_corpus(variant, plugins["objective"]),
                                  replay_fraction=getattr(variant.options("data"), "replay", 0.0) or 0.0,
-                                 data_options=variant.options("data"))
+                                 order=plugins.get("order"), order_key=curriculum.order_key(variant))
+    for split, (long, total) in datamodule.too_long.items():
+        if long:
+            control.note(f"{long:,} of the {total:,} {split} documents ({long / total:.0%}) are longer than "
+                         f"model.block_size = {shape.block_size} tokens; objective {plugins['objective'].name!r} "
+                         "leaves them out of the loss (raise model.block_size to keep them)")
     module = LMModule(model, plugins["objective"], plugins["optimizer"], cfg, hooks, compile=cfg.compile,
                       parallel=plugins["parallel"], peft=peft, control=control, lr_factor=variant.lr_factor)
     module.companions = companions
@@ -322,23 +324,6 @@ def _quiet_lightning() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
-
-
-def _check_sample_prompt(cfg, objective, tokenizer) -> None:
-    """A prompt the user chose for the closing sample must encode: found out now, not after the run
-    has trained. The default one ("\n") may not (a corpus without line breaks): then only the sample
-    is lost, with a warning at the end."""
-    if not cfg.sample_tokens or not objective.causal or cfg.sample_prompt == DEFAULT_SAMPLE_PROMPT:
-        return
-    try:
-        ids = tokenizer.encode(cfg.sample_prompt)
-    except (UserError, ValueError, KeyError) as exc:
-        raise UserError(f"{cfg.sample_prompt!r} cannot be encoded by the run's tokenizer "
-                        f"({str(exc).split(': ', 1)[-1]}); change the prompt, or set train.sample_tokens = 0",
-                        key="train.sample_prompt") from None
-    if len(ids) == 0:
-        raise UserError("encodes to no tokens, and a sample needs at least one to continue from",
-                        key="train.sample_prompt")
 
 
 def _write_early_summary(run_dir: Path, exc: BaseException, started: float, variant=None,

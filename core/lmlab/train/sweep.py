@@ -9,6 +9,7 @@ than mixed into it. ``--jobs N`` runs N variants as child processes of this one,
 ``output.log``; the parent only launches, waits and reports. Nothing here imports torch.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -55,8 +56,15 @@ def check_out(out: Path) -> None:
     where = "" if existing == out else f"{existing} "
     if not existing.is_dir():
         raise UserError(f"{where}is a file, not a folder to write runs into; pick another --out", key=str(out))
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{where}cannot be written to (permission denied); pick another --out", key=str(out))
+    # Trying is the only test that holds for root too: os.access grants root any folder, yet a
+    # read-only mount or a pseudo-filesystem (/proc, /sys) still refuses the run folder later.
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lmlab-probe-", dir=existing))
+    except OSError as exc:
+        raise UserError(f"{where}cannot be written to ({exc.strerror or exc}); pick another --out",
+                        key=str(out)) from None
 
 
 def status_of(run_dir: Path) -> str | None:
@@ -139,6 +147,9 @@ def _same_manifest(variant, run_dir: Path) -> None:
     keys.discard("model.vocab_size")  # filled in from the tokenizer when the run started
     # Runs from before these defaults were written into the manifest recorded None: the same values.
     keys -= {k for k in FILLED_IN if stored.get(k) is None}
+    if stored.get("data.curriculum", "none") == current.get("data.curriculum", "none") == "none":
+        # Pacing that no curriculum reads (its defaults changed: curriculum_steps was 1000) trains nothing.
+        keys = {k for k in keys if not k.startswith("data.curriculum_")}
     differing = sorted(k for k in keys if stored.get(k) != current.get(k) and not k.startswith(NOT_TRAINING))
     if differing:
         shown = ", ".join(f"{k}: {stored.get(k)!r} there, {current.get(k)!r} now" for k in differing[:3])
@@ -166,6 +177,33 @@ def write_index(out: Path, manifest_path: str, overrides: list[str], variants: l
         "overrides": list(overrides), "variants": [v.name for v in variants],
         "groups": list(dict.fromkeys(v.group for v in variants)),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+@contextlib.contextmanager
+def undone_on_refusal(out: Path, main_process: bool = True):
+    """Whatever raises UserError inside (bad input, exit status 2) leaves ``out`` as it found it: a
+    sweep.json written meanwhile is removed (or its earlier text put back), and so is the folder
+    when this created it and nothing else is in it. Once a variant has trained (its summary.json
+    is there) the index stays: ``lmlab compare`` needs it for the runs already made."""
+    index = out / "sweep.json"
+    created = not out.exists()
+    before = index.read_bytes() if index.is_file() else None
+    trained_before = _summaries(out)
+    try:
+        yield
+    except UserError:
+        if main_process and _summaries(out) <= trained_before:
+            if before is not None:
+                index.write_bytes(before)
+            else:
+                index.unlink(missing_ok=True)
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _summaries(out: Path) -> set[Path]:
+    return set(out.glob("*/summary.json")) if out.is_dir() else set()
 
 
 def read_summary(run_dir: Path) -> dict | None:

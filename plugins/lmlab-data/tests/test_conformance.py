@@ -19,6 +19,9 @@ def test_text_file_conforms(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     check_data(TextFile, {"path": str(tmp_path / "a.txt")})
     check_data(TextFile, {"path": str(tmp_path / "*.txt"), "separator": "<|endoftext|>"})
+    # A file that does not decode, skipped and counted: read in parts (one file each), the same.
+    (tmp_path / "c.txt").write_bytes(b"fine<|endoftext|>\xff\xfe broken")
+    check_data(TextFile, {"path": str(tmp_path / "*.txt"), "separator": "<|endoftext|>", "bad_file": "skip"})
 
 
 def test_jsonl_conforms(tmp_path):

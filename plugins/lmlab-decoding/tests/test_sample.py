@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lmlab_decoding.greedy import GreedyDecoder
-from lmlab_decoding.sample import SamplingDecoder, filter_logits
+from lmlab_decoding.sample import SampleOptions, SamplingDecoder, filter_logits
 
 
 def sampler(**options):
@@ -62,6 +62,35 @@ def test_empirical_frequencies_match_the_tempered_softmax(bigram, options):
 
 
 def test_bad_options_are_refused():
-    for bad in [dict(temperature=0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)]:
+    for bad in [dict(temperature=-0.5), dict(top_k=0), dict(top_p=-0.1), dict(top_p=1.5)]:
         with pytest.raises(ValueError):
             SamplingDecoder.Options(**bad)
+
+
+def test_temperature_zero_and_top_p_zero_are_greedy_as_openai_means_them(bigram, table):
+    prompt = torch.tensor([[3], [9], [12]])
+    greedy = GreedyDecoder().generate(bigram(table), prompt, 15)
+    for options in (dict(temperature=0.0), dict(temperature=1.5, top_p=0.0)):
+        assert torch.equal(sampler(**options).generate(bigram(table), prompt, 15, generator=seeded()), greedy)
+
+
+def test_each_row_of_a_step_is_chosen_with_its_own_options_and_generator():
+    from lmlab.api import TokenRows
+
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).repeat(5, 1)
+    logits[3] = torch.log(torch.tensor([0.5, 0.2, 0.3]))  # row 3's most likely token is 0
+    options = [SampleOptions(temperature=0.0), SampleOptions(), SampleOptions(top_p=0.5),
+               SampleOptions(temperature=2.0, top_p=0.3), SampleOptions(top_k=2)]
+    shared = seeded(0)
+    decoder = SamplingDecoder()
+    draws = torch.stack([decoder.choose(logits, TokenRows(options, [shared] * 5)) for _ in range(3000)])  # (N, 5)
+    assert (draws[:, 0] == 1).all() and (draws[:, 3] == 0).all() and (draws[:, 2] == 1).all()
+    assert torch.allclose(torch.bincount(draws[:, 1], minlength=3) / len(draws), torch.tensor([0.1, 0.6, 0.3]),
+                          atol=0.03)
+    assert torch.allclose(torch.bincount(draws[:, 4], minlength=3) / len(draws),
+                          torch.tensor([0.0, 0.6667, 0.3333]), atol=0.03)  # top-k 2 renormalised
+    # a row with a generator of its own draws the same whatever the rows beside it
+    for seed in range(20):
+        alone = decoder.choose(logits[1:2], TokenRows(options[1:2], [seeded(seed)])).item()
+        beside = decoder.choose(logits, TokenRows(options, [shared, seeded(seed), shared, shared, shared]))
+        assert beside[1].item() == alone

@@ -193,3 +193,11 @@ def test_shards_no_checkpoint_file_names_are_pruned(tmp_path):
     torch.save({"deepspeed": {"shards": "deepspeed/step20-b"}}, tmp_path / ".last.ckpt.tmp")  # a killed save
     prune_shards(tmp_path)
     assert sorted(p.name for p in (tmp_path / "deepspeed").iterdir()) == ["step10-a", "step30-c"]
+
+
+def test_memory_savings_are_valid_options_that_shard_more_and_more():
+    # An out-of-memory diagnosis prints them as --set parallel.KEY=VALUE: each must validate as it is.
+    savings = DeepSpeedZeRO.memory_savings()
+    stages = [DeepSpeedZeRO.Options(**options).stage for _, options in savings]
+    assert stages == sorted(stages) and stages[:3] == [1, 2, 3]
+    assert all(f"stage {stage}" in what for (what, _), stage in zip(savings, stages))

@@ -269,3 +269,13 @@ def _logged_past(metrics: Path, step: int) -> bool:
         return False
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
     return bool(steps) and max(steps) > step
+
+
+def test_memory_savings_are_valid_options():
+    # An out-of-memory diagnosis prints them as --set parallel.KEY=VALUE: each must validate as it is.
+    from lmlab_fsdp.fsdp import FullyShardedDataParallel
+
+    savings = FullyShardedDataParallel.memory_savings()
+    options = [FullyShardedDataParallel.Options(**o) for _, o in savings]
+    assert [o.reshard_after_forward for o in options[:2]] == [False, True]
+    assert options[-1].cpu_offload

@@ -86,8 +86,10 @@ def test_2x2x2_on_8_processes_trains_what_one_device_does_and_its_checkpoint_loa
     check_parallel_matches_single(CUBE, tmp_path, replicas=2, processes=8, steps=20, atol=1e-5,
                                   extra_train="grad_clip = 0.05\ngrad_accum = 2")
     single, cube = tmp_path / "single" / "default", tmp_path / "parallel" / "default"
+    whole = torch.load(cube / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert_blocks_split_over_tensor_ranks(whole["optimizer_states"][0], (2, 2, 2))
     # The consolidated checkpoint is the single-device state dict, every stage's shards gathered.
-    mine = torch.load(cube / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    mine = whole["state_dict"]
     theirs = torch.load(single / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     assert mine.keys() == theirs.keys()
     for name in theirs:
@@ -104,3 +106,59 @@ def test_2x2x2_on_8_processes_trains_what_one_device_does_and_its_checkpoint_loa
     fresh = loss_trajectory(single)[0]
     assert first["one"] == pytest.approx(first["other"], abs=1e-5)
     assert abs(first["one"] - fresh) > 0.05  # the trained weights were loaded, not a fresh model
+
+
+def assert_blocks_split_over_tensor_ranks(optimizer_state: dict, layout: tuple[int, int, int],
+                                          d_model: int = 32, n_layers: int = 2) -> None:
+    """Each rank holds 1/t of its stage's attention and ffn weights, and the t ranks of a tensor group
+    hold different slices. A tensor degree that split nothing would still train what one device does,
+    so the losses cannot show it; the optimizer state can: it is kept per rank, as that rank's shards
+    (``PipelineStrategy.optimizer_state``)."""
+    p, d, t = layout
+    ranks = optimizer_state["ranks"]
+    assert optimizer_state["layout"] == [p, d, t] and len(ranks) == p * d * t
+    hidden = 4 * d_model
+    # q, k, v and the ffn's up projection are split by rows (column parallel), the attention's out
+    # projection and the ffn's down projection by columns (row parallel); FSDP then takes 1/d of the rows.
+    split = [(d_model // t, d_model)] * 3 + [(d_model, d_model // t), (hidden // t, d_model),
+                                             (d_model, hidden // t)]
+    expected = [(rows // d, columns) for rows, columns in split] * (n_layers // p)
+    held = []
+    for rank, state in enumerate(ranks):
+        # The core puts the matrices that decay first, the stage's blocks' in order (lmlab.api.ParamInfo).
+        blocks = state["param_groups"][0]["params"][:len(expected)]
+        held.append([state["state"][i]["exp_avg"] for i in blocks])
+        assert [tuple(x.shape) for x in held[-1]] == expected, f"rank {rank}"
+    for first in range(0, len(ranks), t):  # a tensor group is t adjacent ranks
+        for other in range(first + 1, first + t):
+            for mine, theirs in zip(held[first], held[other]):
+                assert not torch.allclose(mine, theirs), f"ranks {first} and {other} hold the same slice"
+
+
+@pytest.mark.slow  # a 2-process run, then a resume of it refused once its processes start: one to two minutes
+def test_a_3d_run_resumes_only_on_its_own_layout_and_each_tensor_rank_holds_its_slice(manifest, lmlab, refused,
+                                                                                       tmp_path):
+    import shutil
+
+    tensor = 'use = "3d"\ndevices = 2\naccelerator = "cpu"\ntensor = 2'
+    path = manifest(tensor)
+    trained = lmlab("run", str(path), "--out", str(tmp_path / "tensor"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    folder = tmp_path / "tensor" / "default"
+    ckpt = folder / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["optimizer_states"][0]
+    assert_blocks_split_over_tensor_ranks(state, (1, 1, 2))
+
+    # The same folder with the manifest's layout changed: refused before any process starts.
+    (folder / "summary.json").unlink()  # as a kill during the run leaves the folder
+    pipeline = manifest('use = "3d"\ndevices = 2\naccelerator = "cpu"\npipeline = 2')
+    line = refused(lmlab("run", str(pipeline), "--out", str(tmp_path / "tensor")), str(folder))
+    assert "parallel.pipeline: 1 there, 2 now" in line
+    # The checkpoint carried into a folder of the other layout: its per-rank optimizer states cannot
+    # be dealt out to these ranks, so the run is refused naming `parallel`, once, and the checkpoint is kept.
+    moved = tmp_path / "pipeline" / "default" / "checkpoints"
+    moved.mkdir(parents=True)
+    shutil.copy(ckpt, moved)
+    line = refused(lmlab("run", str(pipeline), "--out", str(tmp_path / "pipeline")), "parallel")
+    assert "(1, 1, 2) run and this run is (2, 1, 1)" in line and "[init]" in line
+    assert (moved / "last.ckpt").read_bytes() == ckpt.read_bytes()

@@ -149,3 +149,19 @@ def test_end_to_end_keys(tiny_manifest, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["loss_std_last"] == pytest.approx(train[-1]["loss_std"])
     assert summary["loss_spikes"] == train[-1]["loss_spikes"]
+
+
+def test_a_min_history_the_window_can_never_hold_is_refused_before_anything_is_written(tiny_manifest, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_manifest('[monitor]\nuse = ["loss-spike"]\n\n[monitor.loss-spike]\nwindow = 10\nmin_history = 11\n')
+    for args in (["check", str(path)], ["run", str(path), "--out", str(tmp_path / "runs")]):
+        result = subprocess.run([sys.executable, "-m", "lmlab", *args], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("lmlab: error: monitor.loss-spike.min_history: must be at most window (10)"), line
+    assert not (tmp_path / "runs").exists()
+    LossSpikeOptions(window=10, min_history=10)  # the whole window is a history that can be reached

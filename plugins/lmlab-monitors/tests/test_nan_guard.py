@@ -124,3 +124,21 @@ def test_rollback_is_refused_for_a_sharded_layout(tiny_manifest, capsys):
                          '\n[parallel]\nuse = "fsdp"\n')
     assert main(["check", str(path)]) == 2
     assert "monitor.nan-guard.rollback_after" in capsys.readouterr().err
+
+
+def test_skip_before_the_first_checkpoint_skips_instead_of_failing(tiny_manifest, tmp_path):
+    """Bad steps before any checkpoint exists: skip needs none. The weights stay as the last good step
+    left them (finite, as every bad step was skipped), and the rollback only lowers the rate."""
+    path = tiny_manifest('\n[monitor]\nuse = ["nan-guard"]\n\n[monitor.nan-guard]\naction = "skip"\n'
+                         'rollback_after = 2\n', steps=6, checkpoint_every=5)
+    probe = InjectNaN("blocks.0.attn", steps=[2, 3])
+    run_dir = tmp_path / "runs" / "default"
+    result = run_variant(load_variant(path), run_dir, extra_hooks=[probe])
+    summary = result.summary
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert probe.poisoned[:1] == [2]
+    assert summary["skipped_steps"] == 2 and summary["nonfinite_steps"] == 2
+    (rollback,) = summary["rollbacks"]
+    assert rollback["at_step"] == 3 and rollback["to_step"] == 2 and rollback["lr_factor"] == 0.5
+    assert "no checkpoint yet" in (run_dir / "warnings.log").read_text()
+    assert math.isfinite(summary["val_loss"]) and math.isfinite(summary["train_loss"])

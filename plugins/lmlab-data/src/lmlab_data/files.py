@@ -150,6 +150,30 @@ class FileSource(DataSource):
             self._files = self.options.files()
         return self._files
 
+    def parts(self, size: int) -> list[tuple[str, ...]]:
+        """Runs of consecutive files of about ``size`` bytes together (API 1.16): each file is read
+        whole by one worker, as ``documents`` reads it, so a part yields what ``documents`` does for
+        its files and a file read partway before an error keeps the same documents."""
+        out, run, total = [], [], 0
+        for path in self.files():
+            try:
+                bytes_ = os.stat(path).st_size
+            except OSError:  # reported by the worker that reads it, as documents() would
+                bytes_ = 0
+            run.append(str(path))
+            total += bytes_
+            if total >= size:
+                out.append(tuple(run))
+                run, total = [], 0
+        if run:
+            out.append(tuple(run))
+        return out
+
+    def documents_in(self, part: tuple[str, ...]):
+        """The documents of the files of one part, in order (this instance reads only those)."""
+        self._files = [Path(p) for p in part]
+        return self.documents()
+
     def fingerprint(self) -> str:
         """SHA-256 of the options, the file names and their bytes."""
         digest = hashlib.sha256(super().fingerprint().encode())

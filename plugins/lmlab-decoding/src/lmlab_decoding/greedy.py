@@ -6,9 +6,9 @@ Deterministic and the best single-step choice, but prone to repetitive loops in 
 
 import torch
 
-from lmlab_decoding.stepwise import StepwiseDecoder
+from lmlab.api import TokenDecoder, TokenRows
 
 
-class GreedyDecoder(StepwiseDecoder):
-    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+class GreedyDecoder(TokenDecoder):
+    def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
         return logits.argmax(dim=-1)  # (B,)

@@ -49,6 +49,7 @@ class ZeROStrategy(DeepSpeedStrategy):
     def __init__(self, config: dict, file_config: dict | None = None, cpu_adam: bool = False, **kwargs):
         super().__init__(config=config, **kwargs)
         self.cpu_adam = cpu_adam  # step the offloaded AdamW with DeepSpeed's CPU Adam (lmlab_deepspeed.cpu_adam)
+        self.stepped: str | None = None  # what the engine steps with, read back from it (cpu_adam.stepped)
         # lmlab's module overrides backward and gradient clipping for other layouts; here DeepSpeed's
         # engine does both, as configured, and Lightning's notes saying so would only alarm. The
         # deprecations (all_gather_into_tensor, ...) are torch's, addressed to DeepSpeed.
@@ -95,12 +96,16 @@ class ZeROStrategy(DeepSpeedStrategy):
 
             optimizer = host_optimizer(optimizer)
         if self.root_device.type == "cuda":
-            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-        # DeepSpeed compares the device index with 0; a CPU device has none.
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-            lr_scheduler=lr_scheduler, dist_init_required=False)
+            engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        else:  # DeepSpeed compares the device index with 0; a CPU device has none.
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
+                lr_scheduler=lr_scheduler, dist_init_required=False)
+        if optimizer is not None:
+            from lmlab_deepspeed.cpu_adam import stepped
+
+            self.stepped = stepped(engine)
         return engine, ds_optimizer
 
     # -- the config: this plugin's options, then [train] from the Trainer, then the config file -----

@@ -60,8 +60,8 @@ class DeepSpeedOptions(LaunchOptions):
         "none", help="keep the optimizer state in CPU memory and step it there (ZeRO-Offload)")
     cpu_adam: Literal["auto", "deepspeed", "torch"] = Field(
         "auto", help="with offload_optimizer = \"cpu\": the host step by DeepSpeed's vectorised CPU Adam (built on "
-                     "first use; needs [optimizer] use = \"adamw\"), by torch's AdamW, or auto: DeepSpeed's where "
-                     "it builds, else torch's with a warning")
+                     "first use; stands in for [optimizer] use = \"adamw\" only), by the [optimizer]'s own torch "
+                     "optimizer, or auto: DeepSpeed's where it can stand in and builds, else the torch optimizer")
     offload_param: Literal["none", "cpu"] = Field(
         "none", help="keep the parameters in CPU memory between uses (stage 3 only)")
     contiguous_gradients: bool = Field(
@@ -89,6 +89,13 @@ class DeepSpeedOptions(LaunchOptions):
         if self.config is not None:
             read_config_file(self.config)
         return self
+
+
+def cannot_stand_in(optimizer: str) -> str:
+    """The refusal of ``cpu_adam = "deepspeed"`` for an optimizer without AdamW's update (check and run;
+    here, so that ``lmlab check`` imports no more of the plugin)."""
+    return (f"DeepSpeed's CPU Adam implements AdamW's update only, and {optimizer} does not declare it "
+            "(Optimizer.update_rule); set cpu_adam = \"torch\" or \"auto\" (which keeps that optimizer)")
 
 
 def read_config_file(path: Path) -> dict:
@@ -187,7 +194,7 @@ class DeepSpeedZeRO(Parallel):
     over the ranks (DeepSpeed ZeRO, through a Lightning ``DeepSpeedStrategy``)."""
 
     Options = DeepSpeedOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s, trainer_precision; resolved (1.15) where the core has it
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s, trainer_precision; resolved (1.15), update_rule, memory_savings (1.16) where there
 
     def trainer_kwargs(self) -> dict[str, Any]:
         o = self.options
@@ -210,9 +217,13 @@ class DeepSpeedZeRO(Parallel):
         config = merge(base_config(o), file_config)
         check_config(config, o.config)
         offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") == "cpu"
-        self._resolved = cpu_adam.resolve(o.cpu_adam, offload)
+        # The optimizer's update rule was read by check(), which every run calls first; unchecked
+        # (a test building the strategy alone), no rule is known and the torch optimizer steps.
+        rule, optimizer = getattr(self, "_optimizer_rule", (None, "the [optimizer]"))
+        self._resolved = cpu_adam.resolve(o.cpu_adam, offload, rule, optimizer)
         strategy = ZeROStrategy(config=base_config(o), file_config=file_config, timeout=timedelta(seconds=o.timeout_s),
                                 cpu_adam=self._resolved["optimizer_step"] == "deepspeed-cpu-adam")
+        self._strategy = strategy
         return {"strategy": strategy, "accelerator": kind, "devices": o.devices, "num_nodes": o.num_nodes}
 
     def resolved(self) -> dict[str, Any]:
@@ -221,15 +232,36 @@ class DeepSpeedZeRO(Parallel):
 
     def check(self, context) -> None:
         super().check(context)
-        optimizer = context.manifest.get("optimizer", {}).get("use")
-        if self.options.cpu_adam == "deepspeed" and optimizer != "adamw":
-            raise UserError(f"DeepSpeed's CPU Adam replaces AdamW, and [optimizer] uses {optimizer!r}; set "
-                            "cpu_adam = \"torch\" or \"auto\"", key="parallel.cpu_adam")
+        plugin = context.plugins.get("optimizer")
+        # Asked of the plugin, not guessed from its name: only AdamW's exact update may be swapped.
+        rule = getattr(plugin, "update_rule", lambda: None)()
+        self._optimizer_rule = (rule, f"[optimizer] {getattr(plugin, 'name', None)!r}")
+        if self.options.cpu_adam == "deepspeed" and self.options.offload_optimizer == "cpu" and rule != "adamw":
+            raise UserError(cannot_stand_in(self._optimizer_rule[1]), key="parallel.cpu_adam")
+
+    @hookimpl
+    def lmlab_run_end(self, status: str, control) -> dict[str, Any] | None:
+        """``optimizer_stepped`` in summary.json: what DeepSpeed's engine actually stepped with (set by
+        the strategy once the engine holds the optimizer), beside the choice in provenance.json."""
+        stepped = getattr(getattr(self, "_strategy", None), "stepped", None)
+        return {"optimizer_stepped": stepped} if stepped else None
 
     def trainer_precision(self, train) -> dict[str, Any]:
         # The engine casts the model and scales the loss itself, as its config's fp16/bf16 section says
         # (train_config): the precision goes to it as it is, with no Lightning scaler on top.
         return {"precision": train.precision}
+
+    @classmethod
+    def memory_savings(cls) -> list[tuple[str, dict[str, Any]]]:
+        """Each stage shards more at the cost of more communication; offloading then trades host
+        memory and PCIe traffic for what no stage can shard away."""
+        return [("ZeRO stage 1: optimizer states sharded", {"stage": 1}),
+                ("ZeRO stage 2: gradients and optimizer states sharded", {"stage": 2}),
+                ("ZeRO stage 3: parameters, gradients and optimizer states sharded", {"stage": 3}),
+                ("ZeRO stage 3 with the optimizer states in host memory (ZeRO-Offload)",
+                 {"stage": 3, "offload_optimizer": "cpu"}),
+                ("ZeRO stage 3 with the optimizer states and parameters in host memory",
+                 {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"})]
 
     @hookimpl
     def lmlab_checkpoint_saved(self, path: str) -> None:

@@ -61,7 +61,7 @@ class FullyShardedDataParallel(Parallel):
     """Parameters, gradients and optimizer state sharded across processes; units gathered as needed."""
 
     Options = FSDPOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s
+    api = ">=1.7,<2"  # LaunchOptions.timeout_s; memory_savings (1.16) where there
 
     def trainer_kwargs(self) -> dict[str, Any]:
         from datetime import timedelta
@@ -99,6 +99,18 @@ class FullyShardedDataParallel(Parallel):
                                           output_dtype=torch.float32 if o.param_dtype else None)
         # The root is needed again first in backward; FSDP keeps it gathered after forward anyway.
         fully_shard(model, reshard_after_forward=o.reshard_after_forward, **{**shard, "mp_policy": root_mixed})
+
+    @classmethod
+    def memory_savings(cls) -> list[tuple[str, dict[str, Any]]]:
+        """Keeping the gathered units until backward saves a second all-gather; resharding, smaller
+        units and host offload each hold less at the cost of more communication."""
+        return [("FSDP, each block kept gathered from forward to backward (ZeRO-2-like)",
+                 {"reshard_after_forward": False}),
+                ("FSDP (ZeRO-3): parameters, gradients and optimizer states sharded, each block gathered "
+                 "only while it computes", {"reshard_after_forward": True}),
+                ("FSDP with each block's attention and ffn gathered apart", {"reshard_after_forward": True,
+                                                                             "units": "part"}),
+                ("FSDP with the sharded state in host memory", {"reshard_after_forward": True, "cpu_offload": True})]
 
     def memory_layout(self, model, world_size: int | None, precision: str):
         """Parameters, gradients and optimizer states sharded 1/N (FSDP2 shards every parameter);

@@ -83,6 +83,10 @@ class PipelineStrategy(ModelParallelStrategy):
             ranks = state.get("ranks", state.get("pipeline_stages"))  # "pipeline_stages": before 3-D layouts
             layout = tuple(state.get("layout", (len(ranks), 1, 1)))
             if layout != self.layout:
+                if self.global_rank != 0:
+                    # Every rank read the same file and finds the same mismatch: rank 0 alone says so
+                    # (one line, exit 2); the others stop quietly with the same status.
+                    raise SystemExit(2)
                 raise UserError(f"the checkpoint {path} was written by a (pipeline, data, tensor) = {layout} run "
                                 f"and this run is {self.layout}: a run resumes on its own layout; to start another "
                                 "layout from these weights, name the run folder in [init]", key="parallel")

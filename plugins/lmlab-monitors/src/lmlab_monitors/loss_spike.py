@@ -31,7 +31,9 @@ from collections import deque
 
 import torch
 
-from lmlab.api import Field, Monitor, Options, hookimpl
+from pydantic import model_validator
+
+from lmlab.api import Field, Monitor, Options, UserError, hookimpl
 
 MAX_SPIKE_NOTES = 10  # after these, spikes are counted but no longer printed one by one
 
@@ -43,6 +45,14 @@ class LossSpikeOptions(Options):
     min_history: int = Field(20, ge=2, help="losses the window must hold before a spike can be flagged")
     unstable_std: float = Field(0.5, ge=0, help="warn once when the losses of a full window scatter more "
                                                 "than this (standard deviation around their trend; 0: off)")
+
+    @model_validator(mode="after")
+    def _history_fits_the_window(self):
+        # The window never holds more than `window` losses: a larger minimum would flag nothing, ever.
+        if self.min_history > self.window:
+            raise UserError(f"must be at most window ({self.window}), which is all the history there is; got "
+                            f"{self.min_history}", key="monitor.loss-spike.min_history")
+        return self
 
 
 class LossSpike(Monitor):

@@ -4,7 +4,9 @@ applies it, and the first module whose output (or gradient) went non-finite is n
 Then, as configured: ``stop`` ends the run as failed with a ``non-finite`` diagnosis; ``skip``
 leaves the step out (the weights and optimizer state stay as they were) and training goes on, and
 after ``rollback_after`` bad steps in a row restores the last checkpoint with the learning rate
-multiplied by ``lr_factor``, as Megatron-LM and llm-foundry do by hand. A checkpoint is never
+multiplied by ``lr_factor``, as Megatron-LM and llm-foundry do by hand (before the first checkpoint,
+skipping needs none: the weights stay as the last good step left them, and only the rate is lowered). A
+checkpoint is never
 written from a non-finite state: skipped steps leave the weights finite, and the core refuses to
 save weights that are not.
 

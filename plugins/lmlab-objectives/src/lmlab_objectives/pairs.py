@@ -9,7 +9,11 @@ answer's tokens. Both halves of a pair go through the model in one forward pass.
 
 A record longer than a row (block_size + 1 tokens) loses its end, and with it part of the rejected
 answer: such pairs are left out of the loss and counted (``report("truncated")``), since scoring half
-an answer against a whole one would teach length, not preference.
+an answer against a whole one would teach length, not preference. The core counts them over the
+whole corpus before training (``drops_truncated``): a warning in the run's warnings.log with how
+many, and a refusal naming ``model.block_size`` when none fits. (TRL cuts the prompt from the left
+instead; here a row holds the record from its first token, so a record whose end does not fit has
+already lost its rejected answer: raise ``model.block_size``, or filter long records out.)
 """
 
 from dataclasses import dataclass
@@ -115,6 +119,7 @@ class PairObjective(Objective):
     into its chosen and rejected sequences; subclasses define ``forward_loss`` on the PairBatch."""
 
     sampling = "documents"
+    drops_truncated = True  # API 1.16: the core counts the pairs too long for a row, and warns
 
     def setup(self, vocab: Vocabulary) -> None:
         self.eos_id = vocab.eos_id

@@ -48,3 +48,7 @@ class AdamW(Optimizer):
         # torch refuses an empty group, and a model may have nothing (not) to decay.
         groups = [g for g in groups if g["params"]]
         return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused, foreach=o.foreach)
+
+    def update_rule(self) -> str:
+        # fused and foreach are implementations of the same update; every other option is per group.
+        return "adamw"

@@ -1,0 +1,1 @@
+"""Data orders for lmlab (the ``order`` slot): which training documents each step draws from."""
