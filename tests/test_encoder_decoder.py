@@ -212,8 +212,8 @@ def test_sft_trains_an_encoder_decoder_run_that_generates(tmp_path, monkeypatch,
     prompts = ["Say one twice\n", "Say twelve twice\n"]
     with serving(service) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        served = [client.completions.create(model="ed", prompt=p, max_tokens=6, temperature=0).choices[0].text
-                  for p in prompts]
+        # The run decodes greedily ([decoding] default), so the server does: a request sets no temperature.
+        served = [client.completions.create(model="ed", prompt=p, max_tokens=6).choices[0].text for p in prompts]
     loaded = load_run(run)
     made = generate_ids(discovery.load("decoding", "greedy")(), loaded.model,
                         [loaded.tokenizer.encode(p) for p in prompts], 6, eos_id=loaded.tokenizer.eos_id)

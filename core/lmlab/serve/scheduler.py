@@ -38,6 +38,7 @@ from lmlab.generation.engine import make_engine
 from lmlab.generation.kv import PagedKV
 from lmlab.generation.outputs import Outputs
 
+IDLE_WAKE_S = 0.2  # how often an idle loop wakes (to notice Ctrl-C)
 _STOP = object()
 
 
@@ -182,7 +183,9 @@ class Scheduler:
     def _take_new(self, block: bool) -> bool:
         """Move arrived requests to the waiting line; False when asked to stop."""
         try:
-            item = self.inbox.get() if block else self.inbox.get_nowait()
+            # Idle, wait with a timeout: Ctrl-C's SIGINT may reach another thread (uvicorn's), and a lock
+            # wait without one is never woken to see it, so the server would not stop.
+            item = self.inbox.get(timeout=IDLE_WAKE_S) if block else self.inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
