@@ -149,7 +149,7 @@ def test_a_run_with_a_curriculum_trains(tmp_path):
 
 
 def test_an_objectives_own_score_orders_the_documents():
-    """``[order] use = "objective"``: the order is the objective's score's, one entry per document of the
+    """``[order] use = "difficulty"``: the order is the objective's score's, one entry per document of the
     split (empty documents included, and left out of the order)."""
     from types import SimpleNamespace
 

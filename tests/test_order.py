@@ -24,8 +24,8 @@ GOLDEN = {
     ("length", "root"): ([19, 9, 5, 6, 2, 34, 23, 32], [6, 9, 19], "5acab61dbaf61fa6"),
     ("rarity", "linear"): ([3, 25, 14, 36, 26, 37, 15, 4], [36, 25, 3], "2241ced2c51e86a7"),
     ("rarity", "root"): ([3, 25, 14, 36, 26, 37, 15, 4], [36, 25, 3], "e2efd42333cef1cd"),
-    ("objective", "linear"): ([23, 12, 34, 2, 38, 8, 27, 19], [2, 12, 23], "4875fa2f50241ace"),
-    ("objective", "root"): ([23, 12, 34, 2, 38, 8, 27, 19], [2, 12, 23], "178a5eedca10415d"),
+    ("difficulty", "linear"): ([23, 12, 34, 2, 38, 8, 27, 19], [2, 12, 23], "4875fa2f50241ace"),
+    ("difficulty", "root"): ([23, 12, 34, 2, 38, 8, 27, 19], [2, 12, 23], "178a5eedca10415d"),
 }
 
 
@@ -100,7 +100,7 @@ def test_the_older_data_curriculum_spelling_trains_exactly_as_the_order_slot(tmp
     ('curriculum = "length"\n[order]\nuse = "rarity"\n', "data.curriculum"),  # two orders
     ('[order]\nuse = "length"\nsteps = 5\n', "order.steps"),  # past train.max_steps = 4
     ('[order]\nuse = "lenght"\n', "order.use"),
-    ('[order]\nuse = "objective"\n', "order.use"),  # causal-lm gives no difficulty
+    ('[order]\nuse = "difficulty"\n', "order.use"),  # causal-lm gives no difficulty
 ])
 def test_a_data_order_the_run_cannot_follow_is_refused_before_anything_is_written(tmp_path, tables, key):
     manifest = _manifest(tmp_path, '[data]\nuse = "jsonl"\npath = "PATH"\n' + tables)

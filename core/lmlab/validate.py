@@ -242,8 +242,11 @@ def _resolve_order(slots: dict, max_steps: int, base_dir: Path) -> None:
     """``data.curriculum = "<name>"`` (API 1.10) is the older spelling of ``[order] use = "<name>"``
     with the ``data.curriculum_*`` pacing: it becomes that [order] table, so old manifests train
     exactly as before and the run records the slot. ``order.steps`` unset stands for the whole run."""
+    from lmlab.api.data import CURRICULUM_ORDERS
+
     data, order = slots.get("data"), slots.get("order")
     kind = getattr(data.options, "curriculum", "none") if data is not None else "none"
+    kind = CURRICULUM_ORDERS.get(kind, kind)
     if kind != "none" and order is not None and order.plugin.name != kind:
         raise UserError(f"{kind!r} contradicts [order] use = {order.plugin.name!r}; data.curriculum is the older "
                         "spelling of [order] use: give one of them", key="data.curriculum")

@@ -98,6 +98,12 @@ def document_text(doc: Document) -> str:
 SAMPLING_OPTIONS = frozenset({"replay", "curriculum", "curriculum_start", "curriculum_steps", "curriculum_pacing"})
 
 
+#: ``data.curriculum`` (API 1.10) value → the ``order`` plugin it stands for (API 1.17): the same name,
+#: but for ``objective``, which as an order plugin is ``difficulty`` (a plugin must not share its name
+#: with a slot).
+CURRICULUM_ORDERS = {"length": "length", "rarity": "rarity", "objective": "difficulty"}
+
+
 class DataOptions(Options):
     """Options every data source has; a plugin's options subclass these."""
 
@@ -110,7 +116,8 @@ class DataOptions(Options):
     curriculum: Literal["none", "length", "rarity", "objective"] = Field(
         "none", help="order training documents from easy to hard (API 1.10): by length in tokens, by token rarity "
                      "(mean -log unigram frequency), or by the objective's own difficulty score; none: uniform. "
-                     "The older spelling of [order] use = \"<name>\" (API 1.17), paced by the curriculum_* options")
+                     "The older spelling of [order] use = \"<name>\" (API 1.17; objective: difficulty), paced by the "
+                     "curriculum_* options")
     curriculum_start: float = Field(
         0.2, gt=0, le=1, help="share of the training documents, the easiest, that training draws from at step 0")
     curriculum_steps: int | None = Field(
