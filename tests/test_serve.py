@@ -641,6 +641,36 @@ def test_a_scheduler_that_stopped_refuses_late_and_unstarted_requests_at_once(ru
     assert asyncio.run(main()) == [("error", "the server is shutting down")] * 2
 
 
+@pytest.mark.parametrize("where", ["prefill", "finish"])
+def test_ctrl_c_anywhere_in_the_loop_still_answers_every_request_it_took(run, monkeypatch, where):
+    # Ctrl-C landing in a prefill (requests out of the waiting line, not yet live) or between a
+    # request leaving the live rows and its "done" left those streams waiting until uvicorn's
+    # shutdown timeout cancelled them, with a traceback (a CI run of the Ctrl-C test).
+    import asyncio
+
+    from lmlab.serve.protocol import CompletionRequest
+
+    service = make_service(run, max_batch=2)
+    scheduler = service.scheduler
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(*((scheduler.engine, "add") if where == "prefill" else (scheduler, "_finish")), interrupt)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [service.completion_job(CompletionRequest(model=MODEL, prompt="Say", max_tokens=1)) for _ in range(2)]
+        for job in jobs:
+            job.loop, job.events = loop, asyncio.Queue()
+            scheduler.submit(job)
+        with pytest.raises(KeyboardInterrupt):
+            await loop.run_in_executor(None, scheduler.run)
+        return [await asyncio.wait_for(job.events.get(), timeout=10) for job in jobs]
+
+    assert asyncio.run(main()) == [("error", "the server is shutting down")] * 2
+
+
 def test_a_job_past_the_context_is_never_submitted(run):
     from lmlab.serve.protocol import CompletionRequest
 

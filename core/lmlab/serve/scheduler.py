@@ -97,6 +97,11 @@ class Scheduler:
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.live: list[Job] = []
+        # Every request taken from the inbox and not yet answered (done, failed or cancelled). Ctrl-C
+        # may land anywhere in the loop, between moving a request out of ``waiting`` and into ``live``
+        # for one: whatever is left here when the loop ends is told the server is shutting down, so no
+        # stream waits for an answer until uvicorn's shutdown timeout cancels it.
+        self._unanswered: dict[int, Job] = {}
         self.stats = Stats()
         self._numbers = itertools.count()
         self._thread: threading.Thread | None = None
@@ -176,9 +181,9 @@ class Scheduler:
                     break
                 if isinstance(item, Job):
                     unstarted.append(item)
-            for job in [*self.live, *self.waiting, *unstarted]:
+            for job in [*self._unanswered.values(), *unstarted]:
                 self._emit(job, ("error", "the server is shutting down"))
-            self.live, self.waiting = [], deque()
+            self.live, self.waiting, self._unanswered = [], deque(), {}
 
     def _take_new(self, block: bool) -> bool:
         """Move arrived requests to the waiting line; False when asked to stop."""
@@ -192,6 +197,7 @@ class Scheduler:
             if item is _STOP:
                 return False
             if item is not None:
+                self._unanswered[item.number] = item
                 self.waiting.append(item)
             try:
                 item = self.inbox.get_nowait()
@@ -202,6 +208,8 @@ class Scheduler:
         if any(j.cancelled for j in self.waiting):
             self.waiting = deque(j for j in self.waiting if not j.cancelled)
         gone = [j for j in self.live if j.cancelled]
+        for job in [j for j in self._unanswered.values() if j.cancelled]:
+            del self._unanswered[job.number]
         if gone:
             self.engine.release([j.row for j in gone])
             self.live = [j for j in self.live if not j.cancelled]
@@ -271,6 +279,7 @@ class Scheduler:
         if job.stream and (text := job.outputs.delta(0)):
             self._emit(job, ("text", text))
         self._emit(job, ("done", job))
+        self._unanswered.pop(job.number, None)
 
     def _fail(self, exc: Exception) -> None:
         message = f"the model failed while decoding: {type(exc).__name__}: {exc}"
@@ -284,6 +293,7 @@ class Scheduler:
         self.engine.release(held)
         for job in self.live:
             self._emit(job, ("error", message))
+            self._unanswered.pop(job.number, None)
         self.live = []
 
     def _emit(self, job: Job, event: tuple) -> None:
