@@ -319,7 +319,7 @@ def test_an_encoder_decoder_run_is_refused_naming_the_run(tmp_path):
     (tmp_path / "t.txt").write_text(CORPUS.read_text()[:20_000])
     (tmp_path / "ed.toml").write_text(
         'name = "ed"\n[data]\nuse = "text-file"\npath = "t.txt"\nval_fraction = 0.2\n[tokenizer]\nuse = "char"\n'
-        '[model]\nn_layers = 1\nd_model = 32\nn_heads = 2\nblock_size = 32\narchitecture = "encoder-decoder"\n'
+        '[model]\nn_layers = 1\nd_model = 32\nn_heads = 2\nblock_size = 32\n[architecture]\nuse = "encoder-decoder"\n'
         '[objective]\nuse = "span-corruption"\n[train]\nmax_steps = 2\nbatch_size = 4\neval_every = 2\n'
         'eval_steps = 1\nsample_tokens = 0\n[tracker]\nuse = "none"\n')
     assert main(["run", str(tmp_path / "ed.toml"), "--out", str(tmp_path / "runs")]) == 0

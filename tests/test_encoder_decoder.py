@@ -6,19 +6,22 @@ import pytest
 import torch
 
 from lmlab import discovery
-from lmlab.api import ModelShape
-from lmlab.encoder_decoder import EncoderDecoderModel
+from lmlab.api import ModelParts, ModelShape
 from lmlab.generation.engine import make_engine
 from lmlab.testing.runs import main
 
 SHAPE = ModelShape(n_layers=2, d_model=32, n_heads=4, block_size=24, vocab_size=37)
 
 
-def build(attention="mha", position="learned", ffn="mlp", seed=0, **kwargs) -> EncoderDecoderModel:
+def build(attention="mha", position="learned", ffn="mlp", seed=0, **options):
+    """The encoder-decoder architecture's model (``options``: its [architecture] options), built as a
+    run's is, through discovery."""
     torch.manual_seed(seed)
     plugins = {slot: discovery.load(slot, name)() for slot, name in
                (("attention", attention), ("position", position), ("ffn", ffn))}
-    return EncoderDecoderModel(SHAPE, encoder_layers=3, decoder_start_id=1, **plugins, **kwargs).eval()
+    cls = discovery.load("architecture", "encoder-decoder")
+    arch = cls(cls.Options(**{"encoder_layers": 3, "decoder_start_id": 1, **options}))
+    return arch.build(ModelParts(shape=SHAPE, family="encoder-decoder", **plugins)).eval()
 
 
 @pytest.fixture(params=[("mha", "learned"), ("gqa", "rope"), ("mqa", "alibi")], ids=lambda p: "-".join(p))
@@ -158,33 +161,41 @@ def test_sampling_runs_and_greedy_speculative_decoding_equals_greedy():
 
 # -- from a manifest ----------------------------------------------------------------------------------
 
-ED = 'architecture = "encoder-decoder"'
+ED = '[architecture]\nuse = "encoder-decoder"'
 
 
-def manifest(tmp_path, model: str = ED, objective: str = 'use = "sft"', attention: str = "mha") -> str:
+def manifest(tmp_path, tables: str = ED, objective: str = 'use = "sft"', attention: str = "mha") -> str:
+    """``tables``: TOML written right after [model]'s own keys (more of them, or tables such as ED)."""
     (tmp_path / "r.jsonl").write_text("".join(
         f'{{"instruction": "Say {w} twice", "output": "{w} {w}"}}\n' for w in
         ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")))
     path = tmp_path / "m.toml"
     path.write_text(f'name = "ed"\n\n[data]\nuse = "alpaca"\npath = "r.jsonl"\nval_fraction = 0.2\n\n'
                     f'[tokenizer]\nuse = "char"\n\n[model]\nn_layers = 1\n'
-                    f'd_model = 32\nn_heads = 2\nblock_size = 32\n{model}\n\n[attention]\nuse = "{attention}"\n\n'
+                    f'd_model = 32\nn_heads = 2\nblock_size = 32\n{tables}\n\n[attention]\nuse = "{attention}"\n\n'
                     f'[objective]\n{objective}\n\n[train]\nmax_steps = 4\nbatch_size = 4\neval_every = 4\n'
                     f'eval_steps = 1\nsample_tokens = 0\n\n[tracker]\nuse = "none"\n')
     return str(path)
 
 
-@pytest.mark.parametrize("model, objective, attention, key, says", [
+@pytest.mark.parametrize("tables, objective, attention, key, says", [
     (ED, 'use = "sft"', "mamba", "attention.use", "has no cross-attention"),
-    (ED, 'use = "causal-lm"', "mha", "model.architecture", "trains decoder models, not encoder-decoder"),
-    ('architecture = "decoder"\nencoder_layers = 2', 'use = "sft"', "mha", "model.encoder_layers",
-     "applies to encoder-decoder models"),
+    (ED, 'use = "causal-lm"', "mha", "architecture.use",
+     "trains decoder models; architecture 'encoder-decoder' builds encoder-decoder models"),
+    ('[architecture]\nuse = "decoder"\nencoder_layers = 2', 'use = "sft"', "mha", "architecture.encoder_layers",
+     "it is an option of architecture plugin 'encoder-decoder'"),
     (ED, 'use = "sft"\npacking = true', "mha", "objective.packing", "one record per row"),
-], ids=["no-cross-attention", "objective-architecture", "encoder-layers-on-a-decoder", "packing"])
-def test_bad_manifests_are_refused_by_check_naming_the_key(tmp_path, monkeypatch, capsys, model, objective,
+    # API 1.18 moved the family and the encoder-decoder's settings out of [model].
+    ('architecture = "encoder-decoder"', 'use = "sft"', "mha", "model.architecture",
+     'moved to the architecture slot: write [architecture] use'),
+    ('encoder_layers = 2', 'use = "sft"', "mha", "model.encoder_layers",
+     "moved to the architecture slot: write architecture.encoder_layers"),
+], ids=["no-cross-attention", "objective-architecture", "encoder-layers-on-a-decoder", "packing",
+        "model-architecture-moved", "model-encoder-layers-moved"])
+def test_bad_manifests_are_refused_by_check_naming_the_key(tmp_path, monkeypatch, capsys, tables, objective,
                                                           attention, key, says):
     monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
-    assert main(["check", manifest(tmp_path, model, objective, attention)]) == 2
+    assert main(["check", manifest(tmp_path, tables, objective, attention)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"lmlab: error: {key}: ") and says in err and err.count("\n") == 1, err
 

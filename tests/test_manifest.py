@@ -69,7 +69,7 @@ def test_check_imports_only_the_named_plugins_and_no_heavy_library(tiny_manifest
     heavy, plugins = out.split("] [")
     assert heavy == "["
     assert set(plugins.rstrip("]").replace("'", "").split(", ")) <= {
-        "lmlab_data", "lmlab_tokenizers", "lmlab_position", "lmlab_attention", "lmlab_ffn",
+        "lmlab_data", "lmlab_tokenizers", "lmlab_architectures", "lmlab_position", "lmlab_attention", "lmlab_ffn",
         "lmlab_objectives", "lmlab_optimizers", "lmlab_parallel", "lmlab_decoding", "lmlab_trackers"}
     assert "lmlab_wandb" not in plugins and "lmlab_sentencepiece" not in plugins
 

@@ -74,7 +74,8 @@ def test_every_api_slot_renders_to_a_distribution_that_imports_only_lmlab_api(sl
         assert example[slot]["use"] == (["my-thing"] if slot in MANY_SLOTS else "my-thing")
     plugin = files[f"src/lmlab_my_thing/{plan.module}.py"]
     core = {m for m in imports_of(plugin) if m == "lmlab" or m.startswith("lmlab.")}
-    assert core == {"lmlab.api"}, core
+    # lmlab.api and its submodules (an architecture's building blocks live in lmlab.api.architecture)
+    assert "lmlab.api" in core and all(m.startswith("lmlab.api.") for m in core - {"lmlab.api"}), core
     assert re.search(rf"^class {plan.cls}\(", plugin, re.M)
     assert re.search(r'Field\([^)]*help="', plugin), "an option with a default and help text"
     tests = imports_of(files["tests/test_lmlab_my_thing.py"])
@@ -104,6 +105,9 @@ def test_generated_plugins_use_the_current_api():
     assert "def kv_layout(self)" in attention and "ctx.key_mask" in attention  # batched, ragged decoding
     filter_ = scaffold.render(scaffold.plan("my-thing", "filter"))["src/lmlab_my_thing/my_thing.py"]
     assert "def keep(self, text: str)" in filter_ and "hookimpl" not in filter_
+    architecture = scaffold.render(scaffold.plan("my-thing", "architecture"))["src/lmlab_my_thing/my_thing.py"]
+    assert "class MyThingArchitecture(Architecture):" in architecture and "(Block):" in architecture  # API 1.18
+    assert "return Stack(" in architecture and "block=block" in architecture and "hookimpl" not in architecture
 
 
 def test_names_become_a_distribution_a_package_and_a_class():

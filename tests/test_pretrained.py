@@ -161,6 +161,7 @@ def test_a_smaller_block_size_cuts_a_learned_position_table(base_run, tmp_path):
     ("model.n_layers=3", "model.n_layers"),
     ("model.vocab_size=80", "model.vocab_size"),
     ("attention.use=gqa", "attention.use"),
+    ("architecture.use=parallel-block", "architecture.use"),
     ("ffn.activation=relu", "ffn.activation"),
     ("tokenizer.use=byte", "tokenizer.use"),
     ("init.from=nothing", "init.from"),
@@ -173,6 +174,30 @@ def test_a_manifest_that_contradicts_its_init_is_refused_naming_the_key(base_run
     assert main(["check", str(path), "--set", override]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"lmlab: error: {key}: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("moved, architecture", [
+    ({"share_embeddings": True}, {"use": "decoder"}),
+    ({"architecture": "encoder-decoder", "encoder_layers": 1, "share_embeddings": False, "decoder_start_id": 0},
+     {"use": "encoder-decoder", "encoder_layers": 1, "share_embeddings": False, "decoder_start_id": 0}),
+], ids=["decoder", "encoder-decoder"])
+def test_a_run_recorded_before_the_architecture_slot_is_read_with_one(base_run, tmp_path, capsys, moved,
+                                                                        architecture):
+    # Before API 1.18 a run's manifest.toml kept the family and the encoder-decoder's settings in [model]
+    # (share_embeddings always, its default true): such a run still starts a fine-tune.
+    from lmlab.rundir import write_toml
+
+    base_dir, _, _ = base_run
+    old = tmp_path / "old"
+    shutil.copytree(base_dir, old)
+    recorded = read_toml(old / "manifest.toml")
+    del recorded["architecture"]
+    write_toml(old / "manifest.toml", {**recorded, "model": {**recorded["model"], **moved}})
+    tables = pretrained.source_tables(pretrained.locate(old, "last"))
+    assert tables["architecture"] == architecture and tables["model"] == recorded["model"]
+    if architecture["use"] == "decoder":
+        assert main(["check", str(fine_tune(tmp_path, old, base_dir.parent.parent / "tiny.txt"))]) == 0, \
+            capsys.readouterr().err
 
 
 def test_an_init_run_without_checkpoints_is_refused(base_run, tmp_path, capsys):

@@ -113,9 +113,10 @@ def test_t5_loss_and_every_parameter_gradient_match_hugging_face(tie):
 def test_t5_manifest_tables_name_the_plugins():
     tables = t5.manifest_tables(random_t5().config)
     assert tables["model"] == {
-        "architecture": "encoder-decoder", "n_layers": 3, "encoder_layers": 2, "d_model": 32, "n_heads": 4,
-        "block_size": t5.BLOCK_SIZE, "vocab_size": 100, "dropout": 0.0, "bias": False, "norm": "rmsnorm",
-        "norm_eps": 1e-6, "tie_embeddings": False, "share_embeddings": True, "decoder_start_id": 0}
+        "n_layers": 3, "d_model": 32, "n_heads": 4, "block_size": t5.BLOCK_SIZE, "vocab_size": 100, "dropout": 0.0,
+        "bias": False, "norm": "rmsnorm", "norm_eps": 1e-6, "tie_embeddings": False}
+    assert tables["architecture"] == {"use": "encoder-decoder", "encoder_layers": 2, "share_embeddings": True,
+                                      "decoder_start_id": 0}
     assert tables["position"] == {"use": "t5", "num_buckets": 8, "max_distance": 20}
     assert tables["attention"] == {"use": "mha"}
     assert tables["ffn"] == {"use": "mlp", "hidden": 64, "activation": "relu"}
@@ -149,8 +150,10 @@ path = "records.jsonl"
 template = "compact"
 val_fraction = 0.2
 
+[architecture]
+use = "encoder-decoder"
+
 [model]
-architecture = "encoder-decoder"
 block_size = 48
 
 [objective]
@@ -201,7 +204,8 @@ def test_an_sft_run_starts_from_a_hugging_face_t5_folder_with_its_logits(tmp_pat
     assert source.kind == pretrained.HUGGING_FACE_T5 and source.weights == (folder / "model.safetensors",)
     assert pretrained.source_tables(source)["tokenizer"] == {"use": "hf", "path": str(folder)}
     (variant,) = manifest.load(path)
-    assert variant.model.architecture == "encoder-decoder" and variant.model.block_size == 48
+    assert variant.slots["architecture"].name == "encoder-decoder" and variant.model.block_size == 48
+    assert variant.slots["architecture"].options.encoder_layers == 2
     model = assemble(variant).model.eval()
     record = pretrained.initialise(variant, model)
     assert record["format"] == "Hugging Face T5" and record["weights"][0]["path"] == str(folder / "model.safetensors")
@@ -216,6 +220,8 @@ def test_an_sft_run_starts_from_a_hugging_face_t5_folder_with_its_logits(tmp_pat
     run_dir = tmp_path / "runs" / "default"
     resolved = read_toml(run_dir / "manifest.toml")
     assert resolved["position"]["use"] == "t5" and resolved["tokenizer"]["use"] == "hf"
+    assert resolved["architecture"] == {"use": "encoder-decoder", "encoder_layers": 2, "share_embeddings": True,
+                                        "decoder_start_id": 0}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["init"]["format"] == "Hugging Face T5"
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lmlab.api import ModelShape, UserError, Vocabulary
-from lmlab.model import LanguageModel, architecture, build_model, shape_of
+from lmlab.api.architecture import ENCODER_DECODER
+from lmlab.model import LanguageModel, build_model, default_plugin, family, shape_of
 
 #: ``vocab_size`` of the shape ``lmlab check`` builds on the meta device when the tokenizer cannot say
 #: its own without being fitted on the data (a char vocabulary): checks that need the real one wait for
@@ -68,7 +69,7 @@ def assemble(variant, *, data: bool = False, run_dir: Path | None = None, model:
         tokens = load_tokens(variant, tokenizer=tokenizer)  # fitted on the data (or the [init]'s), or cached
     elif not knows_vocabulary(tokenizer):
         tokenizer = None  # planned or checked from model.vocab_size, or a stand-in (see vocabulary)
-    shape, vocab = vocabulary(variant.model, plugins["objective"], tokenizer)
+    shape, vocab = vocabulary(variant.model, plugins["objective"], tokenizer, plugins["architecture"])
     plugins["objective"].setup(vocab)
     out = Assembly(variant, plugins, tokenizer, vocab, shape, tokens=tokens)
     if model:
@@ -142,33 +143,35 @@ def special_ids(objective, tokenizer) -> dict[str, int]:
     return special
 
 
-def vocabulary(model, objective, tokenizer) -> tuple[ModelShape, Vocabulary]:
+def vocabulary(model, objective, tokenizer, architecture=None) -> tuple[ModelShape, Vocabulary]:
     """The model shape, with room for the objective's special tokens, and the Vocabulary the objective
-    is set up with. ``tokenizer`` None (not fitted: planning or checking without the data):
+    is set up with (``architecture``: the variant's plugin, by default the slot's default one). ``tokenizer`` None (not fitted: planning or checking without the data):
     ``model.vocab_size`` when it decides alone, else a stand-in size (:data:`UNKNOWN_VOCABULARY`)."""
+    if architecture is None:
+        architecture = default_plugin("architecture")
     if tokenizer is None:
         if not _vocabulary_from_tokenizer(model, objective):
             size = model.vocab_size
             return model_shape(model, size), Vocabulary(size=size, tokenizer_size=size,
-                                                        decoder_start_id=decoder_start(model, objective, None))
+                                                        decoder_start_id=decoder_start(architecture, objective, None))
         names = tuple(getattr(objective, "special_tokens", ()))
         shape = model_shape(model, None, len(names))
         special = {name: UNKNOWN_VOCABULARY + i for i, name in enumerate(names)}
         return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=UNKNOWN_VOCABULARY, special=special,
-                                 decoder_start_id=decoder_start(model, objective, None))
+                                 decoder_start_id=decoder_start(architecture, objective, None))
     special = special_ids(objective, tokenizer)
     reserved = sum(1 for i in special.values() if i >= tokenizer.vocab_size)
     shape = model_shape(model, tokenizer.vocab_size, reserved)
     return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=tokenizer.vocab_size, special=special,
-                             eos_id=tokenizer.eos_id, decoder_start_id=decoder_start(model, objective, tokenizer.eos_id))
+                             eos_id=tokenizer.eos_id, decoder_start_id=decoder_start(architecture, objective, tokenizer.eos_id))
 
 
-def decoder_start(model, objective, eos_id: int | None) -> int | None:
-    """The id an encoder-decoder model's decoder starts from: ``model.decoder_start_id``, else the
-    end-of-document id (mBART's choice; T5 uses its padding id 0); None for other architectures."""
-    if architecture(model, objective) != "encoder-decoder":
+def decoder_start(architecture, objective, eos_id: int | None) -> int | None:
+    """The id an encoder-decoder model's decoder starts from (``Architecture.decoder_start_id``, given
+    the end-of-document id); None for the other families."""
+    if family(architecture, objective) != ENCODER_DECODER:
         return None
-    return model.decoder_start_id if model.decoder_start_id is not None else (eos_id if eos_id is not None else 0)
+    return architecture.decoder_start_id(eos_id)
 
 
 def _vocabulary_from_tokenizer(model, objective) -> bool:

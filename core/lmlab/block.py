@@ -1,5 +1,5 @@
-"""The pre-norm residual block both model families stack, and how their parameters are counted and
-offered to the optimizer."""
+"""The pre-norm residual block both model families stack (``lmlab.api.architecture.Block``), and how
+their parameters are counted and offered to the optimizer."""
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ class Block(nn.Module):
     Activation checkpointing recomputes a part's activations during backward instead of keeping
     them: ``full`` the whole block, ``attention`` or ``ffn`` only that part (e.g. the ffn holds the
     widest activations, 4·d per token, but is cheap to recompute).
+
+    Another wiring subclasses it (see ``lmlab.api.architecture``): the mixer stays ``attn`` and the
+    ffn ``ffn``, which is what tensor parallelism, FSDP, PEFT roles and decoding caches look for.
     """
 
     def __init__(self, shape: ModelShape, norm: str, norm_eps: float, attention, ffn, layer: int):
@@ -42,6 +45,18 @@ class Block(nn.Module):
         if policy == "ffn":
             return x + checkpoint(self._feed_forward, x, use_reentrant=False)
         return x + self._feed_forward(x)
+
+    def reset_parameters(self, shape: ModelShape) -> None:
+        """Each part initialises its own weights (the plugins' modules, then the norms)."""
+        self.attn.reset_parameters(shape)
+        self.ffn.reset_parameters(shape)
+        self.norm1.reset_parameters()
+        if self.has_ffn:
+            self.norm2.reset_parameters()
+
+    def new_state(self, batch_size: int, max_len: int, device, dtype):
+        """The decoding state of the block's mixer (its KV cache, a recurrent state)."""
+        return self.attn.new_state(batch_size, max_len, device, dtype)
 
     def _forward(self, x, ctx, state):
         x = x + self._mix(x, ctx, state)

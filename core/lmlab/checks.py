@@ -50,15 +50,36 @@ def run(variant, machine: bool = True) -> CheckContext:
         model = None  # a module that cannot be built on the meta device is checked when the run builds it
     context = CheckContext(shape=built.shape, plugins=plugins, manifest=variant.manifest, model=model,
                            vocabulary_known=built.tokenizer is not None, machine=machine)
-    for value in plugins.values():
+    for slot, value in plugins.items():
         for plugin in value if isinstance(value, list) else [value]:
             plugin.check(context)
+            _check_components(plugin, slot, context)
     if built.tokenizer is not None:
         check_sample_prompt(variant.train, plugins["objective"], built.tokenizer)
     _check_objective_runs_model(variant, plugins)
     _check_curriculum(variant, plugins.get("order"), plugins["objective"])
     objective_runs.check(variant, plugins["objective"], built.tokenizer)
     return context
+
+
+def _check_components(plugin, key: str, context: CheckContext) -> None:
+    """The plugins ``plugin``'s nested tables name check themselves too; a refusal that names their
+    slot's key (``attention.n_kv_heads``) is told at the table it came from
+    (``architecture.mixers.A.n_kv_heads``)."""
+    from lmlab.variant import components_of
+
+    declared = getattr(type(plugin), "components", None) or {}
+    for field, built in components_of(plugin).items():
+        slot = declared.get(field, "")
+        for label, inner in built.items():
+            where = f"{key}.{field}.{label}"
+            try:
+                inner.check(context)
+            except UserError as exc:
+                if exc.key and (exc.key == slot or exc.key.startswith(f"{slot}.")):
+                    raise UserError(exc.message, key=where + exc.key[len(slot):]) from None
+                raise
+            _check_components(inner, where, context)
 
 
 def _samples_prompt(train, objective) -> bool:

@@ -13,6 +13,10 @@ from lmlab.tables import CORE_TABLE_NAMES
 CHECKPOINTING = ("none", "full", "ffn", "attention")
 
 
+#: ``[model]`` keys that the architecture slot took over (API 1.18): the family and the encoder-decoder's own.
+MOVED_TO_ARCHITECTURE = ("architecture", "encoder_layers", "share_embeddings", "decoder_start_id")
+
+
 class ModelOptions(Options):
     # An upper bound far above any model trained (hundreds of layers), so a typo fails at once
     # instead of building billions of modules.
@@ -32,17 +36,18 @@ class ModelOptions(Options):
                  "output head), each below n_layers - 1; trained with train.exit_loss_weight, used by "
                  "decoding.exit_threshold")
 
-    architecture: Literal["decoder", "encoder", "encoder-decoder"] | None = Field(
-        None, help="decoder-only (GPT), encoder-only (BERT) or encoder-decoder (T5); default: the objective's first "
-                   "(causal-lm's decoder, mlm's encoder, span-corruption's encoder-decoder)")
-    encoder_layers: int | None = Field(
-        None, gt=0, le=10_000, help="encoder-decoder: blocks of the encoder (default: n_layers, which counts the "
-                                    "decoder's)")
-    share_embeddings: bool = Field(
-        True, help="encoder-decoder: one token embedding for the encoder and the decoder (T5, BART)")
-    decoder_start_id: int | None = Field(
-        None, ge=0, help="encoder-decoder: the id the decoder's input starts with (default: the tokenizer's "
-                         "end-of-document id; 0 for a T5 checkpoint)")
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_architecture(cls, values):
+        # API 1.18 moved the model family and the encoder-decoder's settings into the architecture slot.
+        if isinstance(values, dict):
+            for key in MOVED_TO_ARCHITECTURE:
+                if key in values:
+                    where = "[architecture] use" if key == "architecture" else f"architecture.{key}"
+                    raise UserError(f"moved to the architecture slot: write {where} (e.g. [architecture] use = "
+                                    "\"encoder-decoder\" with its encoder_layers, share_embeddings, decoder_start_id)",
+                                    key=f"model.{key}")
+        return values
 
     @model_validator(mode="after")
     def _heads_divide_width(self):

@@ -52,6 +52,9 @@ def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True)
     path = Path(path)
     raw = read_toml(path)
     if not resolve_init:
+        from lmlab.upgrade import upgrade_recorded
+
+        raw = upgrade_recorded(raw)
         raw.pop("init", None)
     merged = _deep_merge(defaults(), raw)
     # What the user set, as opposed to the defaults: [init] refuses only values the user gave that

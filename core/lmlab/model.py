@@ -1,4 +1,5 @@
-"""The decoder-only transformer, assembled from position, attention and ffn plugins.
+"""The decoder-only transformer stack (``lmlab.api.architecture.Stack``), which architecture plugins
+wire from the position, attention and ffn plugins, and the model a variant's architecture builds.
 
 Every plugin is asked for its module once, here, when the model is built; the forward pass only
 calls modules, so swapping a plugin costs nothing per step.
@@ -11,11 +12,12 @@ import torch
 from torch import nn
 
 from lmlab.api import InferenceCache, MixerContext, ModelShape, ParamInfo
+from lmlab.api.architecture import DECODER, ENCODER, ENCODER_DECODER, FAMILIES, ModelParts
 from lmlab.block import Block, num_params, param_infos
 from lmlab.config import CHECKPOINTING
-from lmlab.encoder_decoder import EncoderDecoderModel
 from lmlab.errors import UserError
 from lmlab.norms import build_norm
+from lmlab.variant import components_of
 
 
 class _Dropped(nn.Module):
@@ -27,8 +29,14 @@ class LanguageModel(nn.Module):
 
     def __init__(self, shape: ModelShape, *, position, attention, ffn, norm: str = "layernorm",
                  norm_eps: float = 1e-5, tie_embeddings: bool = True, causal: bool = True,
-                 exit_layers: tuple[int, ...] = (), heads=None):
+                 exit_layers: tuple[int, ...] = (), heads=None, block: type[nn.Module] = Block):
+        """``attention``: the mixer plugin of every layer, or a sequence of ``n_layers`` of them (a
+        layer pattern); ``block``: the block class, called as ``block(shape, norm, norm_eps, mixer,
+        ffn, layer)`` (see ``lmlab.api.architecture``)."""
         super().__init__()
+        mixers = list(attention) if isinstance(attention, (list, tuple)) else [attention] * shape.n_layers
+        if len(mixers) != shape.n_layers:
+            raise ValueError(f"{len(mixers)} mixers for {shape.n_layers} layers")
         self.shape = shape
         # False for a bidirectional objective (masked LM): every mixer sees the whole window. The
         # caller (lmlab.assemble) has checked that the attention plugin supports it.
@@ -38,7 +46,7 @@ class LanguageModel(nn.Module):
         self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
         self.position = position.build(shape)
         self.dropout = nn.Dropout(shape.dropout) if shape.dropout else nn.Identity()
-        self.blocks = nn.ModuleList(Block(shape, norm, norm_eps, attention, ffn, i) for i in range(shape.n_layers))
+        self.blocks = nn.ModuleList(block(shape, norm, norm_eps, mixers[i], ffn, i) for i in range(shape.n_layers))
         self.norm_f = build_norm(norm, shape, norm_eps)
         self.head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
         self.span = (0, shape.n_layers)  # the blocks this model runs: all, or a pipeline stage's
@@ -65,11 +73,7 @@ class LanguageModel(nn.Module):
             nn.init.normal_(self.head.weight, 0.0, std)
         self.position.reset_parameters(self.shape)
         for block in self.blocks:
-            block.attn.reset_parameters(self.shape)
-            block.ffn.reset_parameters(self.shape)
-            block.norm1.reset_parameters()
-            if block.has_ffn:
-                block.norm2.reset_parameters()
+            block.reset_parameters(self.shape)
         self.norm_f.reset_parameters()
         for norm in self.exit_heads.values() if self.exit_heads is not None else ():
             norm.reset_parameters()
@@ -146,9 +150,9 @@ class LanguageModel(nn.Module):
         return (logits, exit_logits) if exits else logits
 
     def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the auxiliary losses the ffn modules stored in their last forward (e.g. MoE balance)."""
-        ffns = [b.ffn for b in self.blocks if hasattr(b, "ffn")]  # a pipeline stage holds only its own
-        losses = [f.aux_loss for f in ffns if getattr(f, "aux_loss", None) is not None]
+        """Sum of the auxiliary losses the blocks' modules stored in their last forward (e.g. MoE
+        balance), wherever in a block they sit (a pipeline stage holds only its own blocks)."""
+        losses = [m.aux_loss for m in self.blocks.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
         return torch.stack(losses).sum() if losses else None
 
     def new_cache(self, batch_size: int, max_len: int) -> InferenceCache:
@@ -160,7 +164,7 @@ class LanguageModel(nn.Module):
             raise ValueError("a bidirectional model (trained with a non-causal objective such as mlm) cannot "
                              "decode left to right")
         p = self.head.weight
-        states = [b.attn.new_state(batch_size, max_len, p.device, p.dtype) for b in self.blocks]
+        states = [b.new_state(batch_size, max_len, p.device, p.dtype) for b in self.blocks]
         return InferenceCache(states, max_len)
 
     def param_infos(self) -> list[ParamInfo]:
@@ -213,48 +217,62 @@ def shape_of(model, vocab_size: int) -> ModelShape:
                       init_std=model.init_std)
 
 
-def architecture(model, objective) -> str:
-    """``model.architecture``, or the objective's default: "decoder", "encoder" or "encoder-decoder"
-    (a UserError when the objective does not train the one asked for)."""
-    trains = objective.trains() if objective is not None else ("decoder", "encoder", "encoder-decoder")
-    chosen = model.architecture or trains[0]
-    if chosen not in trains:
-        raise UserError(f"objective {objective.name!r} trains {' or '.join(trains)} models, not {chosen}",
-                        key="model.architecture")
-    if chosen != "encoder-decoder":
-        for key in ("encoder_layers", "decoder_start_id"):
-            if getattr(model, key) is not None:
-                raise UserError(f"applies to encoder-decoder models; this one is a {chosen}", key=f"model.{key}")
-    return chosen
+def family(architecture, objective) -> str:
+    """The model family the variant trains: the first the objective trains (``Objective.trains``) that
+    the architecture plugin builds; a UserError naming ``architecture.use`` when it builds none."""
+    trains = objective.trains() if objective is not None else FAMILIES
+    return architecture.family(trains, objective.name if objective is not None else "none")
 
 
-def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int | None = None) -> LanguageModel:
-    """The model ``model`` (``[model]``) describes, from the position, attention and ffn plugins; bidirectional
-    when the objective is not causal, which needs an attention plugin that supports it
-    (``Attention.bidirectional``); an encoder-decoder needs its cross-attention too. A decoder with
-    ``exit_threshold`` needs the model's exit heads."""
+def default_plugin(slot: str):
+    """An instance of the plugin a manifest that leaves ``slot`` out gets, with its default options."""
+    from lmlab import discovery
+    from lmlab.slots import DEFAULT_PLUGINS
+
+    return discovery.load(slot, DEFAULT_PLUGINS[slot])()
+
+
+def mixer_plugins(plugins: dict) -> list:
+    """The attention-slot plugins the model's mixers come from: ``[attention]``'s and those the
+    architecture's nested tables name (a layer pattern's)."""
+    arch = plugins["architecture"]
+    nested = components_of(arch)
+    return [plugins["attention"], *(p for f, slot in arch.components.items() if slot == "attention"
+                                    for p in nested.get(f, {}).values())]
+
+
+def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int | None = None):
+    """The model the architecture plugin wires from the position, attention and ffn plugins and the shared
+    ``[model]`` settings; bidirectional when the objective is not causal, which needs attention plugins
+    that support it (``Attention.bidirectional``); an encoder-decoder needs their cross-attention too. A
+    decoder with ``exit_threshold`` needs the model's exit heads."""
+    if "architecture" not in plugins:  # a caller that assembles plugins by hand (interop, tests): the slot's default
+        plugins = {**plugins, "architecture": default_plugin("architecture")}
     objective = plugins.get("objective")
-    kind = architecture(model, objective)
-    attention = plugins["attention"]
-    if kind == "encoder-decoder" and not getattr(attention, "cross_attention", False):
-        raise UserError(f"attention plugin {attention.name!r} has no cross-attention, which an encoder-decoder "
-                        "model's decoder needs; use one that declares it (Attention.cross_attention: mha, gqa, "
-                        "mqa)", key="attention.use")
-    if kind != "decoder" and not getattr(attention, "bidirectional", False):
-        who = "an encoder-decoder model's encoder" if kind == "encoder-decoder" else f"objective {objective.name!r}"
-        raise UserError(f"attention plugin {attention.name!r} is causal only, and {who} needs bidirectional "
-                        "attention; use one that declares it (Attention.bidirectional; see `lmlab plugins "
-                        "attention`)", key="attention.use")
-    if kind == "encoder-decoder":
-        return _build_encoder_decoder(model, shape, plugins, objective, decoder_start_id)
-    causal = kind == "decoder"
-    if not causal:  # an encoder: position schemes that tell the two directions apart build for both
+    arch = plugins["architecture"]
+    kind = family(arch, objective)
+    for attention in mixer_plugins(plugins):
+        if kind == ENCODER_DECODER and not getattr(attention, "cross_attention", False):
+            raise UserError(f"attention plugin {attention.name!r} has no cross-attention, which an encoder-decoder "
+                            "model's decoder needs; use one that declares it (Attention.cross_attention: mha, gqa, "
+                            "mqa)", key="attention.use")
+        if kind != DECODER and not getattr(attention, "bidirectional", False):
+            who = "an encoder-decoder model's encoder" if kind == ENCODER_DECODER else \
+                f"objective {objective.name!r}"
+            raise UserError(f"attention plugin {attention.name!r} is causal only, and {who} needs bidirectional "
+                            "attention; use one that declares it (Attention.bidirectional; see `lmlab plugins "
+                            "attention`)", key="attention.use")
+    if kind == ENCODER_DECODER and model.exit_layers:
+        raise UserError("early exit is for decoder-only models; leave it empty", key="model.exit_layers")
+    if kind == ENCODER:  # position schemes that tell the two directions apart build for both
         shape = dataclasses.replace(shape, causal=False)
-    built = LanguageModel(shape, position=plugins["position"], attention=plugins["attention"],
-                          ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
-                          tie_embeddings=model.tie_embeddings, causal=causal,
-                          exit_layers=tuple(getattr(model, "exit_layers", ())),
-                          heads=objective.heads(shape) if objective is not None else None)
+    parts = ModelParts(shape=shape, family=kind, position=plugins["position"], attention=plugins["attention"],
+                       ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
+                       tie_embeddings=model.tie_embeddings, exit_layers=tuple(model.exit_layers),
+                       heads=objective.heads(shape) if objective is not None else None,
+                       decoder_start_id=decoder_start_id if kind == ENCODER_DECODER else None,
+                       components=components_of(arch))
+    built = arch.build(parts)
     decoder = plugins.get("decoding")
     if getattr(getattr(decoder, "options", None), "exit_threshold", None) is not None:
         # Early exit needs exit heads and a one-token-per-step decoder: refused here, so `lmlab check`,
@@ -263,15 +281,3 @@ def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int |
 
         check(decoder, built)
     return built
-
-
-def _build_encoder_decoder(model, shape: ModelShape, plugins: dict, objective, decoder_start_id: int | None):
-    attention = plugins["attention"]
-    if model.exit_layers:
-        raise UserError("early exit is for decoder-only models; leave it empty", key="model.exit_layers")
-    return EncoderDecoderModel(shape, position=plugins["position"], attention=attention, ffn=plugins["ffn"],
-                               norm=model.norm, norm_eps=model.norm_eps, tie_embeddings=model.tie_embeddings,
-                               encoder_layers=model.encoder_layers, share_embeddings=model.share_embeddings,
-                               decoder_start_id=decoder_start_id if decoder_start_id is not None else
-                               (model.decoder_start_id or 0),
-                               heads=objective.heads(shape) if objective is not None else None)

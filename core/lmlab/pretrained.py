@@ -4,18 +4,19 @@ Fine-tuning continues a model instead of starting one (Howard & Ruder 2018, "Uni
 Fine-tuning"; Radford et al. 2018): the run takes the init's weights, its shape and its tokenizer, and
 trains them further on its own data with a fresh optimizer. An init is one of
 
-- an lmlab run folder (it holds ``manifest.toml``): its resolved ``[model]``, ``[position]``,
-  ``[attention]``, ``[ffn]`` and ``[tokenizer]`` tables, its fitted tokenizer (``tokenizer/``) and the
-  weights of ``checkpoints/best.ckpt`` (``init.checkpoint = "best"``; last.ckpt when there is no best)
-  or ``last.ckpt``;
+- an lmlab run folder (it holds ``manifest.toml``): its resolved ``[model]``, ``[architecture]``,
+  ``[position]``, ``[attention]``, ``[ffn]`` and ``[tokenizer]`` tables (a run recorded before API
+  1.18 has its ``[model]`` family keys read as its ``[architecture]``), its fitted tokenizer
+  (``tokenizer/``) and the weights of ``checkpoints/best.ckpt`` (``init.checkpoint = "best"``;
+  last.ckpt when there is no best) or ``last.ckpt``;
 - a checkpoint file in a run folder (``.../checkpoints/last.ckpt``): the same, with that file's weights;
 - a local Hugging Face Llama-family folder (``config.json``, ``model.safetensors`` or a sharded
   ``model.safetensors.index.json``, ``tokenizer.json``), as ``save_pretrained`` writes it: the tables
   of :func:`lmlab.interop.llama.manifest_tables`, the ``hf`` tokenizer over its ``tokenizer.json``, and
   the weights renamed by :func:`lmlab.interop.llama.state_dict_from_hf`;
-- a local Hugging Face T5 folder (the same files): an encoder–decoder model, read by
-  :mod:`lmlab.interop.t5` in the same way. Which of the two a folder is, config.json's
-  ``model_type`` says (``"llama"``, ``"t5"``; any other is refused).
+- a local Hugging Face T5 folder (the same files): an encoder–decoder model (``[architecture] use =
+  "encoder-decoder"``), read by :mod:`lmlab.interop.t5` in the same way. Which of the two a folder
+  is, config.json's ``model_type`` says (``"llama"``, ``"t5"``; any other is refused).
 
 Three moments of a run use it. **Validation** (:func:`merge_tables`, so ``lmlab check`` shows it): the
 init's tables replace the manifest's; a value the manifest sets itself must agree with the init's, or
@@ -39,12 +40,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmlab.upgrade import upgrade_recorded
 from lmlab.checkpoint import problem as checkpoint_problem
 from lmlab.errors import UserError
 from lmlab.tables import read_toml, validate_options
 
 #: The tables an init decides.
-GOVERNED = ("model", "position", "attention", "ffn", "tokenizer")
+GOVERNED = ("model", "architecture", "position", "attention", "ffn", "tokenizer")
 #: [model] keys a fine-tune may set to another value than the init's: no weight depends on them.
 FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std", "exit_layers"})
 RUN, HUGGING_FACE = "lmlab run", "Hugging Face Llama"
@@ -161,9 +163,9 @@ def _run_tokenizer(run: Path, refuse) -> Path:
 
 
 def source_tables(source: Source) -> dict[str, dict]:
-    """The init's [model], [position], [attention], [ffn] and [tokenizer] tables."""
+    """The init's [model], [architecture], [position], [attention], [ffn] and [tokenizer] tables."""
     if source.kind == RUN:
-        recorded = read_toml(source.folder / "manifest.toml")
+        recorded = upgrade_recorded(read_toml(source.folder / "manifest.toml"))
         absent = [t for t in GOVERNED if not isinstance(recorded.get(t), dict)]
         if absent:
             raise UserError(f"{source.folder}: its manifest.toml has no [{absent[0]}] table; is it a run folder?",

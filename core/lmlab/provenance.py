@@ -17,16 +17,24 @@ SOURCE_DIR = Path(__file__).resolve().parent
 
 
 def plugins(variant) -> dict:
-    """slot → {name, distribution, version} of each plugin the variant uses (many-valued slots: a list)."""
+    """slot → {name, distribution, version} of each plugin the variant uses (many-valued slots: a list);
+    a plugin composed of others (``Architecture.components``) lists them under ``components``, by the
+    dotted key of their table below the slot (``mixers.M``)."""
     from lmlab import discovery
 
+    def entry(slot: str, choice) -> dict:
+        info = discovery.find(slot, choice.name, key=f"{slot}.use")
+        out = {"name": choice.name, "distribution": info.distribution, "version": info.version}
+        declared = getattr(choice.plugin, "components", None) or {}
+        nested = {f"{field}.{label}": entry(declared[field], inner)
+                  for field, chosen in choice.components.items() for label, inner in chosen.items()}
+        if nested:
+            out["components"] = nested
+        return out
+
     out = {}
-    for slot, cls in variant.plugins.items():
-        names = [c.name for c in cls] if slot in discovery.MANY_SLOTS else [cls.name]
-        entries = []
-        for name in names:
-            info = discovery.find(slot, name, key=f"{slot}.use")
-            entries.append({"name": name, "distribution": info.distribution, "version": info.version})
+    for slot, chosen in variant.slots.items():
+        entries = [entry(slot, c) for c in (chosen if isinstance(chosen, tuple) else (chosen,))]
         out[slot] = entries if slot in discovery.MANY_SLOTS else entries[0]
     return out
 
@@ -81,11 +89,12 @@ def differences(recorded: dict, current: dict) -> list[str]:
 
 def plugin_differences(recorded: dict, current: dict) -> list[str]:
     """Lines for each slot whose plugin distribution or version differs."""
-    def flat(tree: dict) -> dict:
+    def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
         for slot, entry in tree.items():
             for e in entry if isinstance(entry, list) else [entry]:
-                out[f"{slot}.{e['name']}"] = f"{e['distribution']} {e['version']}"
+                out[f"{prefix}{slot}.{e['name']}"] = f"{e['distribution']} {e['version']}"
+                out.update(flat(e.get("components", {}), f"{prefix}{slot}."))
         return out
 
     was, now = flat(recorded), flat(current)

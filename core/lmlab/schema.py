@@ -72,6 +72,8 @@ def manifest_schema(plugins: dict[str, dict[str, type]] | None = None,
             properties[slot] = _many_slot(slot, available, defs, warn)
         else:
             properties[slot] = _single_slot(slot, available, default, defs, warn)
+    for slot in _composed_slots(plugins):  # the tables a plugin's nested fields hold (Architecture.components)
+        defs[f"slot.{slot}"] = {**copy.deepcopy(properties[slot]), "required": ["use"]}
     properties["sweep"] = _sweep(properties)
     required = ["name"] + [s for s in REQUIRED_SLOTS if not (defaults.get(s) or {}).get("use")]
     schema = {
@@ -89,6 +91,13 @@ def manifest_schema(plugins: dict[str, dict[str, type]] | None = None,
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+def _composed_slots(plugins: dict[str, dict[str, type]]) -> list[str]:
+    """The slots whose plugins some installed plugin's options nest (``Architecture.components``)."""
+    found = {inner for classes in plugins.values() for cls in classes.values()
+             for inner in (getattr(cls, "components", None) or {}).values()}
+    return sorted(found)
 
 
 def options_schema(options_cls: type, prefix: str, defs: dict, warn: Callable[[str], None]) -> dict:
@@ -117,6 +126,11 @@ def _single_slot(slot: str, plugins: dict[str, type], default: str | None, defs:
     rules, union = [], {}
     for name, cls in plugins.items():
         branch = options_schema(cls.Options, f"{slot}.{name}", defs, warn)
+        for field, inner in (getattr(cls, "components", None) or {}).items():
+            described = branch.get("properties", {}).get(field, {}).get("description", "")
+            branch.setdefault("properties", {})[field] = {
+                "type": "object", "description": described or f"tables of {inner} plugins, by label",
+                "additionalProperties": {"$ref": f"#/$defs/slot.{inner}"}}
         branch = {"description": _plugin_help(name, cls), **branch}
         branch["properties"] = {"use": {"const": name}, **branch.get("properties", {})}
         condition = {"properties": {"use": {"const": name}}}

@@ -24,6 +24,7 @@ TABLE = (
     Slot("data", "DataSource", required=True),
     Slot("filter", "Filter", many=True),
     Slot("tokenizer", "Tokenizer", default="char"),
+    Slot("architecture", "Architecture", default="decoder"),  # wires the model from the next three
     Slot("position", "Position", default="learned"),
     Slot("attention", "Attention", default="mha"),
     Slot("ffn", "FFN", default="mlp"),

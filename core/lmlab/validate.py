@@ -6,7 +6,7 @@ Imports exactly the plugins the variant names (through discovery) and nothing he
 
 from pathlib import Path
 
-from lmlab import discovery
+from lmlab import composition, discovery
 from lmlab.config import CORE_TABLES, OPTIONAL_TABLES
 from lmlab.errors import did_you_mean
 from lmlab.errors import UserError
@@ -111,9 +111,10 @@ def _single(slot: str, table: dict, base_dir: Path, switched: bool, notes: list[
             del values[key]
             notes.append(f"{slot}.{key} does not apply to {slot} plugin {use!r}; ignored")
     try:
-        return Choice(cls, validate_options(cls.Options, values, slot, base_dir, plugin=use))
+        return composition.resolve(Choice(cls, validate_options(cls.Options, values, slot, base_dir, plugin=use)),
+                                   slot, base_dir)
     except UserError as exc:
-        if exc.message.startswith("unknown option") and exc.key:
+        if exc.message.startswith("unknown option") and exc.key and exc.key.count(".") == 1:
             raise UserError(exc.message + _owners(slot, use, exc.key.split(".")[-1]), key=exc.key) from None
         raise
 

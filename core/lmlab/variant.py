@@ -32,14 +32,29 @@ class Choice:
 
     plugin: type  # a subclass of the slot's lmlab.api base class, ``name`` set by discovery
     options: Any  # an instance of ``plugin.Options`` (frozen)
+    # The plugins the options' nested tables name (``Architecture.components``): field → label → choice.
+    components: Mapping[str, Mapping[str, "Choice"]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.plugin.name
 
     def build(self):
-        """A new instance of the plugin with these options."""
-        return self.plugin(self.options)
+        """A new instance of the plugin with these options (and of the plugins it is composed of,
+        which :func:`components_of` gives back)."""
+        built = self.plugin(self.options)
+        if self.components:
+            built._lmlab_components = {f: {label: c.build() for label, c in chosen.items()}
+                                       for f, chosen in self.components.items()}
+        return built
+
+    def nested(self):
+        """(dotted key below the slot, choice) of every plugin this one is composed of, depth first."""
+        for f, chosen in self.components.items():
+            for label, choice in chosen.items():
+                yield f"{f}.{label}", choice
+                for key, inner in choice.nested():
+                    yield f"{f}.{label}.{key}", inner
 
     def table(self) -> dict:
         """The options as the manifest records them (JSON values, every default filled)."""
@@ -151,6 +166,11 @@ class Variant:
         self.__dict__.update(state)
         object.__setattr__(self, "slots", MappingProxyType(state["slots"]))
         object.__setattr__(self, "sweep", MappingProxyType(state["sweep"]))
+
+
+def components_of(plugin) -> dict[str, dict[str, Any]]:
+    """field → label → the built plugins ``plugin``'s nested tables name (empty for most plugins)."""
+    return getattr(plugin, "_lmlab_components", {})
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -22,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from lmlab.api.architecture import Architecture, ModelParts
     from lmlab.api.attention import Attention, AttentionModule, CrossAttentionModule, MixerContext
     from lmlab.api.batch import IGNORE_INDEX, Batch, Seq2SeqBatch, Windows
     from lmlab.api.check import CheckContext
@@ -53,6 +54,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
 
 #: public name → the submodule that defines it
 _EXPORTS = {
+    "Architecture": "lmlab.api.architecture",
+    "ModelParts": "lmlab.api.architecture",
     "Attention": "lmlab.api.attention",
     "AttentionModule": "lmlab.api.attention",
     "CrossAttentionModule": "lmlab.api.attention",

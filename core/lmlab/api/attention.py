@@ -211,7 +211,7 @@ class Attention(Plugin):
     recurrent mixer stays False."""
     cross_attention: ClassVar[bool] = False
     """Whether [build_cross][lmlab.api.attention.Attention.build_cross] makes cross-attention modules
-    (API 1.13). An encoder–decoder model (``model.architecture = "encoder-decoder"``) is built only
+    (API 1.13). An encoder–decoder model (``[architecture] use = "encoder-decoder"``) is built only
     with a plugin that says True (and ``bidirectional``, for its encoder)."""
 
     def build_cross(self, shape: ModelShape, layer: int) -> CrossAttentionModule:

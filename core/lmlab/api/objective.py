@@ -74,9 +74,10 @@ class Vocabulary:
     """The tokenizer's end-of-document id ([Tokenizer.eos_id][lmlab.api.tokenizer.Tokenizer.eos_id]),
     or None."""
     decoder_start_id: int | None = None
-    """In an encoder–decoder model (API 1.13), the id the decoder's input starts with (``model.decoder_start_id``,
-    else ``eos_id``): an objective then makes [Seq2SeqBatch][lmlab.api.batch.Seq2SeqBatch]es. None
-    for a decoder-only or encoder-only model."""
+    """In an encoder–decoder model (API 1.13), the id the decoder's input starts with (the architecture's
+    ``Architecture.decoder_start_id``: ``architecture.decoder_start_id``, else ``eos_id``): an
+    objective then makes [Seq2SeqBatch][lmlab.api.batch.Seq2SeqBatch]es. None for a decoder-only or
+    encoder-only model."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,9 @@ class Objective(Plugin):
     """Names of the special tokens the objective needs ids for, e.g. ``("mask",)`` (API 1.4)."""
     architectures: ClassVar[tuple[str, ...] | None] = None
     """The model architectures this objective trains (API 1.13), of ``"decoder"``, ``"encoder"``
-    and ``"encoder-decoder"``; ``model.architecture`` defaults to the first. None (the default):
+    and ``"encoder-decoder"``, its default first; the variant's family is the first of them that the
+    ``[architecture]`` plugin builds (``Architecture.families``: the default ``decoder`` builds
+    decoders and encoders). None (the default):
     ``("decoder",)`` when [causal][lmlab.api.objective.Objective.causal], else ``("encoder",)``.
     For ``"encoder-decoder"`` the objective makes [Seq2SeqBatch][lmlab.api.batch.Seq2SeqBatch]es
     whenever ``Vocabulary.decoder_start_id`` is set."""

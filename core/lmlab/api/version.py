@@ -152,6 +152,16 @@ and raise the bound when the plugin starts to use a newer one.
      ``nonzero_params``, ``sparsity``); ``check_objective`` checks ``Objective.difficulty``; the
      length re-check takes each int option to the top of its declared (``le``/``lt``) or stated
      (``ranges=``) range.
+
+1.18: The architecture slot (``lmlab.api.architecture``): ``Architecture`` (``families``, ``family``,
+     ``decoder_start_id``, ``build(ModelParts)``) builds the model; ``[model] architecture``,
+     ``encoder_layers``, ``share_embeddings`` and ``decoder_start_id`` moved to it (the first-party
+     ``encoder-decoder`` plugin). The pieces a wiring is made of: ``Stack`` (the decoder/encoder stack,
+     taking ``block=`` and one mixer plugin per layer), ``Block`` (``reset_parameters(shape)``,
+     ``new_state``), ``build_norm``, ``CHECKPOINTING``, ``param_infos``, ``num_params``. Composition:
+     ``Architecture.components`` declares option fields that hold other plugins' tables, which the core
+     validates, records, checks and builds (``ModelParts.components``). Auxiliary losses are gathered
+     from every module of a block, not only its ffn.
 """
 
-API_VERSION = "1.17"
+API_VERSION = "1.18"

@@ -24,7 +24,8 @@ def compress(run_dir: Path, methods: list[Method], out: Path, *, calibration_fil
              calibration_split: str = "train", windows: int = 128, seed: int = 0, device: str = "cpu", rounds: int = 3,
              log=print) -> dict:
     """Compress the run in ``run_dir`` into ``out``; returns the summary written there."""
-    from lmlab.model import architecture
+    from lmlab.api.architecture import ENCODER_DECODER
+    from lmlab.model import family
     from lmlab.rundir import write_json
     from lmlab.trained import load_run, refuse_bidirectional
 
@@ -44,10 +45,10 @@ def compress(run_dir: Path, methods: list[Method], out: Path, *, calibration_fil
                         "(and calibrates on its training split without --calibration FILE): restore the run's data",
                         key=exc.key) from None
     refuse_bidirectional(run.objective)
-    if architecture(run.variant.model, run.objective) == "encoder-decoder":
+    if family(run.plugins["architecture"], run.objective) == ENCODER_DECODER:
         # Its forward takes the encoder's ids too, which neither the calibration windows nor the
         # methods' per-layer measurements supply.
-        raise UserError("is an encoder-decoder run (model.architecture); lmlab compress compresses decoder-only "
+        raise UserError("is an encoder-decoder run ([architecture]); lmlab compress compresses decoder-only "
                         "runs", key=str(run_dir))
     model = run.model.to(device).float().eval()
     if run.peft is not None:

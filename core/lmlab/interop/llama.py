@@ -8,7 +8,7 @@ here imports a plugin: the model is assembled through discovery like any manifes
     from transformers import LlamaForCausalLM
     hf = LlamaForCausalLM.from_pretrained(...)
     model = from_hf(hf)             # an lmlab LanguageModel with the same weights
-    tables = manifest_tables(hf.config)   # the [model]/[position]/[attention]/[ffn] tables
+    tables = manifest_tables(hf.config)   # the [model]/[architecture]/[position]/[attention]/[ffn] tables
 
 A checkpoint folder on disk (``save_pretrained``: config.json and safetensors) is read without
 transformers: ``read_config(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
@@ -44,6 +44,7 @@ def manifest_tables(config) -> dict:
                   "vocab_size": config.vocab_size, "dropout": 0.0, "bias": bool(config.attention_bias),
                   "norm": "rmsnorm", "norm_eps": config.rms_norm_eps,
                   "tie_embeddings": bool(config.tie_word_embeddings)},
+        "architecture": {"use": "decoder"},
         "position": {"use": "rope", "base": float(rope["rope_theta"])},
         "attention": {"use": "gqa", "n_kv_heads": config.num_key_value_heads},
         "ffn": {"use": "swiglu", "hidden": config.intermediate_size},
@@ -63,7 +64,9 @@ def build(tables: dict) -> LanguageModel:
 
     model = ModelOptions(**tables["model"])
     plugins = {}
-    for slot in ("position", "attention", "ffn"):
+    for slot in ("architecture", "position", "attention", "ffn"):
+        if slot == "architecture" and slot not in tables:  # tables older than API 1.18: build_model's default
+            continue
         cls = discovery.load(slot, tables[slot]["use"])
         plugins[slot] = cls(cls.Options(**{k: v for k, v in tables[slot].items() if k != "use"}))
     return build_model(model, shape_of(model, model.vocab_size), plugins)

@@ -1,7 +1,7 @@
 """Hugging Face T5 ↔ lmlab.
 
 The original T5 (Raffel et al. 2020; ``feed_forward_proj = "relu"``) is an lmlab encoder–decoder
-model (``model.architecture = "encoder-decoder"``, :mod:`lmlab.encoder_decoder`) with RMSNorm
+model (``[architecture] use = "encoder-decoder"``, the plugin of lmlab-architectures) with RMSNorm
 (T5LayerNorm: no mean, no bias), the `t5` position plugin (one relative-bias table per stack, held by
 T5's first block and shared by every layer), `mha` attention in both stacks and for cross-attention,
 and the `mlp` ffn with ReLU; no biases anywhere, one embedding shared by the encoder and the decoder.
@@ -10,7 +10,7 @@ Nothing here imports a plugin: the model is assembled through discovery like any
     from transformers import T5ForConditionalGeneration
     hf = T5ForConditionalGeneration.from_pretrained(...)
     model = from_hf(hf)                   # an lmlab EncoderDecoderModel with the same function
-    tables = manifest_tables(hf.config)   # the [model]/[position]/[attention]/[ffn] tables
+    tables = manifest_tables(hf.config)   # the [model]/[architecture]/[position]/[attention]/[ffn] tables
 
 Two differences of computation are folded into the weights when converting, so the converted model
 computes what T5 does with lmlab's unchanged modules:
@@ -83,11 +83,11 @@ def manifest_tables(config) -> dict:
         raise ValueError("is_encoder_decoder is false: lmlab reads T5's encoder–decoder checkpoints")
     decoder_layers = getattr(config, "num_decoder_layers", None) or config.num_layers
     return {
-        "model": {"architecture": "encoder-decoder", "n_layers": decoder_layers, "encoder_layers": config.num_layers,
-                  "d_model": config.d_model, "n_heads": config.num_heads, "block_size": BLOCK_SIZE,
-                  "vocab_size": config.vocab_size, "dropout": 0.0, "bias": False, "norm": "rmsnorm",
-                  "norm_eps": config.layer_norm_epsilon, "tie_embeddings": False, "share_embeddings": True,
-                  "decoder_start_id": decoder_start_id(config)},
+        "model": {"n_layers": decoder_layers, "d_model": config.d_model, "n_heads": config.num_heads,
+                  "block_size": BLOCK_SIZE, "vocab_size": config.vocab_size, "dropout": 0.0, "bias": False,
+                  "norm": "rmsnorm", "norm_eps": config.layer_norm_epsilon, "tie_embeddings": False},
+        "architecture": {"use": "encoder-decoder", "encoder_layers": config.num_layers, "share_embeddings": True,
+                         "decoder_start_id": decoder_start_id(config)},
         "position": {"use": "t5", "num_buckets": config.relative_attention_num_buckets,
                      "max_distance": config.relative_attention_max_distance},
         "attention": {"use": "mha"},
@@ -103,15 +103,17 @@ def folder_tables(folder) -> dict:
 
 def build(tables: dict):
     """An (untrained) lmlab encoder–decoder model from the tables of `manifest_tables`, built as every
-    run's model is (:func:`lmlab.model.build_model`; ``model.architecture`` says encoder-decoder)."""
+    run's model is (:func:`lmlab.model.build_model`; ``[architecture] use`` says encoder-decoder, and its
+    ``decoder_start_id`` where the decoder starts)."""
     from lmlab.config import ModelOptions
 
     model = ModelOptions(**tables["model"])
     plugins = {}
-    for slot in ("position", "attention", "ffn"):
+    for slot in ("architecture", "position", "attention", "ffn"):
         cls = discovery.load(slot, tables[slot]["use"])
         plugins[slot] = cls(cls.Options(**{k: v for k, v in tables[slot].items() if k != "use"}))
-    return build_model(model, shape_of(model, model.vocab_size), plugins, model.decoder_start_id)
+    return build_model(model, shape_of(model, model.vocab_size), plugins,
+                       plugins["architecture"].decoder_start_id(None))
 
 
 def weight_map(config, untied_head: bool = False) -> list[tuple[str, str, float]]:

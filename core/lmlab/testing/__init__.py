@@ -42,8 +42,9 @@ state_dict             yes        yes       yes  save / load(weights_only) / loa
 compile                yes        yes       yes  ``torch.compile`` output and grads = eager
 =====================  =========  ========  ===  ============================================
 
-Optimizer, tokenizer, filter, data and tracker plugins (each check's docstring says exactly how;
-one plugin takes about a second, a tracker that starts helper processes a few):
+Optimizer, tokenizer, filter, data, tracker, decoding, objective, compress and architecture plugins
+(each check's docstring says exactly how; one plugin takes about a second, a tracker that starts helper
+processes a few):
 
 ====================  ==============================================================================
 slot, check           what it requires
@@ -106,6 +107,20 @@ objective             on the core's samplers over a corpus whose targets identif
   heads               (API 1.10) ``heads`` are modules saved under ``heads.<name>.``, reset reproducibly
   runs                (API 1.10) the runs of ``needs_runs`` stay frozen, in eval mode, unchanged, and matter
   reports             (API 1.10) reported figures: lowercase names, finite detached sums, counts ≥ 1
+architecture          the plugin's models of the families it declares that the kit builds (decoder: trained
+                      with next-token cross-entropy; encoder), from the reference plugins
+                      (:mod:`lmlab.testing.architecture`)
+  families            a non-empty tuple of ``FAMILIES``; ``family`` picks each for an objective training it
+  language_model      ``vocab_size``/``block_size``; (B, T) → (B, T, V) logits, ``hidden`` (B, T, C);
+                      ``new_cache`` for a decoder, ValueError for an encoder
+  block_contract      ``model.blocks``; each block's ``attn``, ``ffn`` (the modules the plugins built) and
+                      ``checkpointing``
+  causality           decoder: later tokens never change earlier logits; encoder: they do
+  incremental_decoding  cached prefill/steps/chunks = full forward (1e-5)
+  checkpointing       every ``CHECKPOINTING`` policy: loss and gradients = "none"'s (1e-6); "full" keeps
+                      fewer activations
+  param_infos         every trainable parameter exactly once; ``num_params`` counts each once
+  aux_loss            ``model.aux_loss()`` sums the ``aux_loss`` every ffn module set
 compress              on a tiny core model, d_model 128 (``model=``: a callable giving another)
   reload              the record plain JSON; saved, ``weights_only``-loaded, restructured: same logits
   bad_options         unknown keys and wrong types refused; int options at their range's ends refused
@@ -166,8 +181,8 @@ adapter trains, that the adapter round-trips and, for a plugin that merges, that
 
 from collections.abc import Iterable
 
-from lmlab.testing import (attention, compress, data, decoding, ffn, filter, objective, optimizer, position,
-                           tokenizer, tracker)
+from lmlab.testing import (architecture, attention, compress, data, decoding, ffn, filter, objective, optimizer,
+                           position, tokenizer, tracker)
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
 from lmlab.testing.decoding import check_decoding
 from lmlab.testing.generic import verify_class
@@ -190,6 +205,7 @@ SLOTS = {
     "decoding": (decoding.DecodingSubject, decoding.CHECKS),
     "objective": (objective.ObjectiveSubject, objective.CHECKS),
     "compress": (compress.CompressSubject, compress.CHECKS),
+    "architecture": (architecture.ArchitectureSubject, architecture.CHECKS),
 }
 
 
@@ -267,6 +283,13 @@ def check_compress(plugin, options=None, **settings) -> None:
     run_checks(iter_checks(plugin, options, slot="compress", **settings))
 
 
+def check_architecture(plugin, options=None, **settings) -> None:
+    """Run every architecture check on ``plugin``: its models, built from the kit's reference position,
+    attention and ffn for each family it declares that the kit builds; raise one ConformanceError listing
+    the failures."""
+    run_checks(iter_checks(plugin, options, slot="architecture", **settings))
+
+
 def check_plugin(plugin, options=None, **settings) -> None:
     """Run every check of the plugin's own slot (any slot in :data:`SLOTS`)."""
     run_checks(iter_checks(plugin, options, **settings))
@@ -291,7 +314,7 @@ def _slot(slot: str):
 
 __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
-    "check_attention", "check_compress", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
+    "check_architecture", "check_attention", "check_compress", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
     "check_parallel_matches_single", "check_plan_matches_measured", "check_plugin",
     "check_objective", "check_plugin_class", "check_position", "check_tokenizer", "check_tracker",
     "check_peft", "iter_checks", "reference_model", "tiny_model",

@@ -232,7 +232,7 @@ def test_a_model_without_a_decoder_start_is_refused():
     sc = objective(Vocabulary(size=VOCAB.size, tokenizer_size=V, special=VOCAB.special, eos_id=EOS))
     with pytest.raises(UserError) as e:
         sc.make_batch_from(Windows(random_tokens(rows=2)))
-    assert e.value.key == "model.architecture"
+    assert e.value.key == "architecture.use" and '[architecture] use = "encoder-decoder"' in str(e.value)
 
 
 def test_the_plugin_asks_for_an_encoder_decoder_model_and_100_sentinels():
@@ -249,7 +249,8 @@ def test_bad_options_are_refused_by_check_naming_the_key(tmp_path, monkeypatch, 
     monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
     (tmp_path / "c.txt").write_text("Thank you for inviting me to your party last week.\n")
     path = tmp_path / "m.toml"
-    path.write_text(f'name = "sc"\n\n[model]\nblock_size = 2009\n\n[data]\nuse = "text-file"\npath = "c.txt"\n\n'
+    path.write_text(f'name = "sc"\n\n[model]\nblock_size = 2009\n\n[architecture]\nuse = "encoder-decoder"\n\n'
+                    f'[data]\nuse = "text-file"\npath = "c.txt"\n\n'
                     f'[tracker]\nuse = "none"\n\n[objective]\nuse = "span-corruption"\n{objective_table}\n')
     assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err

@@ -27,7 +27,7 @@ Two ways to fill a batch (``packing``):
 The loss is the mean cross-entropy over scored targets (0 for a batch with none), in float32, with
 ``causal-lm``'s optional z-loss.
 
-On an encoder–decoder model (``model.architecture = "encoder-decoder"``, API 1.13) the prompt goes into
+On an encoder–decoder model (``[architecture] use = "encoder-decoder"``, API 1.18) the prompt goes into
 the encoder and the decoder produces the response: each record's unscored tokens, left-aligned and
 padded, become the encoder's input, and its scored tokens (the response and its end-of-document
 token) the decoder's targets, read behind the model's decoder start id (T5's fine-tuning). Such runs

@@ -150,8 +150,8 @@ class SpanCorruption(Objective):
             raise RuntimeError("span-corruption: setup(vocab) must be called before make_batch_from (the core does)")
         if self.decoder_start_id is None:
             raise UserError("span-corruption trains an encoder-decoder model, and this one has no decoder start id "
-                            "(a decoder-only or encoder-only model): set model.architecture = \"encoder-decoder\"",
-                            key="model.architecture")
+                            "(a decoder-only or encoder-only model): set [architecture] use = \"encoder-decoder\"",
+                            key="architecture.use")
         lay = self.layout(windows.tokens.shape[1])
         tokens = windows.tokens[:, :lay.n]                                           # (B, n)
         B, device = tokens.shape[0], tokens.device

@@ -1,5 +1,6 @@
-"""The encoder–decoder transformer (T5, Raffel et al. 2020; BART, Lewis et al. 2020), assembled from the
-same position, attention and ffn plugins as the decoder-only model.
+"""``[architecture] use = "encoder-decoder"``: the encoder–decoder transformer (T5, Raffel et al. 2020;
+BART, Lewis et al. 2020), assembled from the same position, attention and ffn plugins as the
+decoder-only model.
 
 The encoder is a stack of the decoder-only model's blocks built bidirectional (``ModelShape.causal``
 False); each decoder block adds, between its self-attention and its ffn, a cross-attention from the
@@ -16,11 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lmlab.api import MixerContext, ModelShape
-from lmlab.block import Block, num_params, param_infos
-from lmlab.config import CHECKPOINTING
-from lmlab.errors import UserError
-from lmlab.norms import build_norm
+from lmlab.api import Architecture, Field, MixerContext, ModelParts, ModelShape, Options, UserError
+from lmlab.api.architecture import CHECKPOINTING, Block, build_norm, num_params, param_infos
 
 
 class DecoderBlock(nn.Module):
@@ -210,3 +208,32 @@ def _at_least_one_key(padding: torch.Tensor | None) -> torch.Tensor | None:
     first = torch.zeros_like(padding)
     first[:, 0] = True
     return padding & ~(first & padding.all(dim=1, keepdim=True))
+
+
+class EncoderDecoderOptions(Options):
+    encoder_layers: int | None = Field(
+        None, gt=0, le=10_000, help="blocks of the encoder (default: model.n_layers, which counts the decoder's)")
+    share_embeddings: bool = Field(True, help="one token embedding for the encoder and the decoder (T5, BART)")
+    decoder_start_id: int | None = Field(
+        None, ge=0, help="the id the decoder's input starts with (default: the tokenizer's end-of-document id; 0 "
+                         "for a T5 checkpoint)")
+
+
+class EncoderDecoder(Architecture):
+    """Encoder–decoder (T5, BART): a bidirectional encoder and a causal decoder that cross-attends to it."""
+
+    api = ">=1.18,<2"  # Architecture
+    Options = EncoderDecoderOptions
+    families = ("encoder-decoder",)
+
+    def decoder_start_id(self, eos_id: int | None) -> int | None:
+        own = self.options.decoder_start_id
+        return own if own is not None else (eos_id if eos_id is not None else 0)
+
+    def build(self, parts: ModelParts) -> EncoderDecoderModel:
+        o = self.options
+        return EncoderDecoderModel(parts.shape, position=parts.position, attention=parts.attention, ffn=parts.ffn,
+                                   norm=parts.norm, norm_eps=parts.norm_eps, tie_embeddings=parts.tie_embeddings,
+                                   encoder_layers=o.encoder_layers, share_embeddings=o.share_embeddings,
+                                   decoder_start_id=parts.decoder_start_id if parts.decoder_start_id is not None
+                                   else self.decoder_start_id(None), heads=parts.heads)

@@ -1,0 +1,127 @@
+"""The architecture slot: how the other slots' modules are wired into a network (API 1.18).
+
+An architecture plugin receives the variant's parts (the shape, the position, attention and ffn
+plugins, the ``[model]`` settings every architecture shares, and the plugins its own option tables
+name) and returns the model. It is asked once, when the model is built; the forward pass only calls
+modules. The core offers the pieces today's models are made of, so a new wiring is a block class and
+a few lines:
+
+- ``Stack``: token embedding → position → blocks → final norm → head,
+  with everything the rest of lmlab relies on (a decoding cache, pipeline stages, exit heads, the
+  objective's heads, activation checkpointing, auxiliary losses). ``block=`` takes any block class.
+- ``Block``: the pre-norm residual block; subclass it and override
+  ``forward`` (and ``mix`` / ``feed_forward``) for another wiring.
+- ``build_norm``: the ``[model] norm`` the variant asked for.
+- ``CHECKPOINTING`` (the activation-checkpointing policies), ``param_infos(model)`` and
+  ``num_params(model)`` (what a model's ``param_infos``/``num_params`` return: weight decay for
+  matrices that are not embeddings), for a model class of the author's own.
+
+The block contract (what lmlab reads of a block, so tensor parallelism, FSDP, PEFT roles, head
+pruning and decoding caches work on every wiring): its mixer is ``block.attn`` (an
+[AttentionModule][lmlab.api.attention.AttentionModule]) and its ffn ``block.ffn`` (an
+[FFNModule][lmlab.api.ffn.FFNModule]); ``block.checkpointing`` is one of ``"none"``, ``"full"``,
+``"attention"``, ``"ffn"`` and the block's ``forward`` honours it; ``reset_parameters(shape)``
+initialises the block. Auxiliary losses are collected from every module of the model that sets a
+tensor ``aux_loss`` in its forward, wherever it sits.
+
+Composition: an option field named in ``Architecture.components`` holds tables of other plugins
+(``[architecture.mixers.M] use = "mamba"``, its options beside ``use``). The core validates each
+table with that plugin's own Options (a wrong type names the dotted key), lists them in
+``lmlab schema``, records each plugin's distribution in ``provenance.json``, runs its ``check`` and
+hands the built instances to ``build`` in ``ModelParts.components``.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lmlab.api.errors import UserError
+from lmlab.api.plugin import Plugin
+from lmlab.api.shape import ModelShape
+
+FAMILIES = ("decoder", "encoder", "encoder-decoder")
+"""Model families: decoder-only (GPT), encoder-only (BERT, bidirectional), encoder–decoder (T5)."""
+DECODER, ENCODER, ENCODER_DECODER = FAMILIES
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What an architecture builds a model from (API 1.18)."""
+
+    shape: ModelShape
+    """The model's shape (``shape.causal`` False for an encoder family)."""
+    family: str
+    """The family the variant trains, one of [FAMILIES][lmlab.api.architecture.FAMILIES]: the
+    architecture's, as the objective asks for it."""
+    position: Any
+    """The position plugin (``position.build(shape)`` makes its module)."""
+    attention: Any
+    """The attention plugin (``attention.build(shape, layer)`` makes one mixer)."""
+    ffn: Any
+    """The ffn plugin (``ffn.build(shape, layer)``)."""
+    norm: str = "layernorm"
+    """``model.norm``, for ``build_norm``."""
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    exit_layers: tuple[int, ...] = ()
+    """``model.exit_layers``: blocks after which an exit head sits (decoder family)."""
+    heads: Mapping[str, Any] | None = None
+    """The objective's own modules ([Objective.heads][lmlab.api.objective.Objective.heads]), for the
+    model's ``heads``."""
+    decoder_start_id: int | None = None
+    """The id an encoder–decoder's decoder starts from (None for the other families)."""
+    components: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Option field → label → the plugin instance its nested table names (see ``components``)."""
+
+
+class Architecture(Plugin):
+    """Base class of the architecture slot (entry-point group ``lmlab.architecture``, API 1.18):
+    builds the model from the other slots' plugins. ``[architecture] use = "decoder"`` by default."""
+
+    slot = "architecture"
+
+    families: ClassVar[tuple[str, ...]] = ("decoder", "encoder")
+    """The families this architecture builds, of [FAMILIES][lmlab.api.architecture.FAMILIES]. The
+    variant's family is the first the objective trains (``Objective.trains``) that is listed here."""
+    components: ClassVar[Mapping[str, str]] = {}
+    """Option field → slot: the field holds a table of plugin tables of that slot, keyed by a label
+    (``{"mixers": "attention"}``: ``[architecture.mixers.M] use = "mamba"``). Declare the field as
+    ``dict[str, dict[str, Any]]``; the core validates the nested tables."""
+
+    def family(self, trains: tuple[str, ...], objective: str) -> str:
+        """The family of the model for an objective that trains ``trains`` (its default first);
+        a UserError naming ``architecture.use`` when this architecture builds none of them."""
+        for wanted in trains:
+            if wanted in self.families:
+                return wanted
+        raise UserError(f"objective {objective!r} trains {' or '.join(trains)} models; architecture {self.name!r} "
+                        f"builds {' or '.join(self.families)} models (see `lmlab plugins architecture`)",
+                        key="architecture.use")
+
+    def decoder_start_id(self, eos_id: int | None) -> int | None:
+        """The id an encoder–decoder's decoder input starts with, given the tokenizer's end-of-document
+        id (None when unknown); None for an architecture without a decoder fed that way."""
+        return None
+
+    def build(self, parts: ModelParts):
+        """The model (an ``nn.Module`` with the [LanguageModel][lmlab.api.model.LanguageModel]
+        interface; a ``Stack`` has it), with fresh weights on the current
+        default device. Called once per model built (a run, each check on the meta device, each
+        planner measurement): build nothing else and read no data."""
+        raise NotImplementedError
+
+
+_BUILDING = {"Stack": ("lmlab.model", "LanguageModel"), "Block": ("lmlab.block", "Block"),
+             "build_norm": ("lmlab.norms", "build_norm"), "CHECKPOINTING": ("lmlab.config", "CHECKPOINTING"),
+             "num_params": ("lmlab.block", "num_params"), "param_infos": ("lmlab.block", "param_infos")}
+
+
+def __getattr__(name: str):
+    # The building blocks are the core's own classes, imported on first use: importing the slot's
+    # base class (``lmlab check``, discovery) does not import the model code.
+    if name in _BUILDING:
+        import importlib
+
+        module, attr = _BUILDING[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'lmlab.api.architecture' has no attribute {name!r}")
