@@ -2,7 +2,7 @@
 loop on identical weights; batched throughput with both caches; speculative decoding's speed-up.
 
 1. Batch 1, greedy: a Llama-shaped model with seeded random weights (transformers'
-   LlamaForCausalLM, converted with ``lmlab.interop.llama.from_hf``) continues a prompt by
+   LlamaForCausalLM, converted with ``lmlab_architectures.hf_llama.from_hf``) continues a prompt by
    ``--new`` tokens four ways: ``generate(do_sample=False)``; the same plain loop around
    transformers' forward and ``DynamicCache`` (what ``generate`` adds shows beside it); the plain
    loop over lmlab's model (prefill, then one token per forward through the model's own
@@ -123,10 +123,11 @@ def timed(fn, *args) -> tuple[float, list[int]]:
 
 
 def batch_one(new: int, rounds: int) -> None:
-    from lmlab.interop.llama import from_hf
+    from lmlab import pretrained
+    from lmlab_architectures.hf_llama import from_hf
 
     hf = llama()
-    model = from_hf(hf).eval()
+    model = from_hf(hf, pretrained.build).eval()
     prompt = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     print(f"1. batch 1, greedy, {new} new tokens after 16, Llama-shaped 4 x 128 (identical weights, identical tokens)")
     compiled = CompiledGreedy(model, prompt.shape[1] + new)
@@ -160,9 +161,10 @@ def batched(new: int) -> None:
     from lmlab.generation.token_ids import run_decoder
     from lmlab.generation.engine import make_engine
     from lmlab.generation.outputs import Outputs
-    from lmlab.interop.llama import from_hf
+    from lmlab import pretrained
+    from lmlab_architectures.hf_llama import from_hf
 
-    model = from_hf(llama()).eval()
+    model = from_hf(llama(), pretrained.build).eval()
     greedy = discovery.load("decoding", "greedy")()
     g = torch.Generator().manual_seed(1)
     print(f"2. batched greedy, prompts of 8-48 tokens, {new} new tokens each (same model)")
@@ -225,12 +227,13 @@ def speculative(target_dir: Path, draft_dir: Path, new: int, k: int = 4) -> None
 @torch.no_grad()
 def cuda_graphs(new: int, rounds: int) -> None:
     """On a GPU: lmlab's greedy step eager, captured as a CUDA graph, and compiled, on the same weights."""
-    from lmlab.interop.llama import from_hf
+    from lmlab import pretrained
+    from lmlab_architectures.hf_llama import from_hf
 
     if not torch.cuda.is_available():
         print("4. CUDA graphs: skipped (no CUDA device)")
         return
-    model = from_hf(llama()).cuda().eval()
+    model = from_hf(llama(), pretrained.build).cuda().eval()
     prompt = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
     arms = {name: CompiledGreedy(model, 16 + new, static=static)
             for name, static in (("eager", None), ("cuda graph", "cuda_graph"), ("compiled", "compile"))}

@@ -309,3 +309,11 @@ def test_a_run_recorded_before_the_architecture_slot_still_generates(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     # a manifest a user writes is held to today's keys
     refused(run_cli("check", str(run / "manifest.toml")), "model.share_embeddings")
+    # and the same manifest run again finds its run done, not "a run of a different manifest"
+    provenance = json.loads((run / "provenance.json").read_text())
+    del provenance["manifest"]["architecture"]
+    provenance["manifest"]["model"].update(architecture=None, encoder_layers=None, share_embeddings=True,
+                                           decoder_start_id=None)
+    (run / "provenance.json").write_text(json.dumps(provenance))
+    again = run_cli("run", str(path), "--out", str(tmp_path / "runs"), "--set", "model.n_layers=1")
+    assert again.returncode == 0, again.stderr[-2000:]

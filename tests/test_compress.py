@@ -158,6 +158,7 @@ def test_a_compressed_run_reloads_to_the_model_as_compressed(base, tmp_path, cha
     assert [m["plugin"] for m in summary["compress"]] == chain
     assert {"val_loss", "val_ppl", "disk_bytes", "memory_bytes", "tokens_per_s", "base", "plugins"} <= set(summary)
     assert summary["status"] == "completed"
+    assert summary["generation"]["decoder"] == "greedy"  # the run's decoding plugin timed the speed
 
 
 def test_a_compressed_run_generates_and_fine_tunes_from_init(base, tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""Curriculum learning (``[order] use = "length"``, or the older ``[data] curriculum``): the easiest documents
-first, on a schedule, for a seed."""
+"""Curriculum learning (``[order] use = "length"``): the easiest documents first, on a schedule, for a
+seed."""
 
 import math
 
@@ -116,23 +116,23 @@ def _manifest(tmp_path, data: str, extra: str = "") -> str:
 def test_a_curriculum_start_outside_its_range_is_refused(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello world\n" * 200)
-    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\ncurriculum = "length"\n'
-                                   "curriculum_start = 0.0")
-    refused(run_cli("check", manifest), "data.curriculum_start")
+    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\n[order]\nuse = "length"\n'
+                                   "start = 0.0")
+    refused(run_cli("check", manifest), "order.start")
 
 
 def test_a_score_the_objective_does_not_give_is_refused_at_check(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello world\n" * 200)
-    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\ncurriculum = "objective"')
-    refused(run_cli("check", manifest), "data.curriculum")
+    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\n[order]\nuse = "difficulty"')
+    refused(run_cli("check", manifest), "order.use")
 
 
 def test_a_curriculum_over_one_document_is_refused(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello world\n" * 200)
-    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\ncurriculum = "length"')
-    refused(run_cli("run", manifest, "--out", str(tmp_path / "runs")), "data.curriculum")
+    manifest = _manifest(tmp_path, f'[data]\nuse = "text-file"\npath = "{text}"\n[order]\nuse = "length"')
+    refused(run_cli("run", manifest, "--out", str(tmp_path / "runs")), "order.use")
 
 
 def test_a_run_with_a_curriculum_trains(tmp_path):
@@ -140,8 +140,8 @@ def test_a_run_with_a_curriculum_trains(tmp_path):
 
     lines = tmp_path / "docs.jsonl"
     lines.write_text("".join(json.dumps({"text": "ab " * (i % 17 + 2)}) + "\n" for i in range(200)))
-    manifest = _manifest(tmp_path, f'[data]\nuse = "jsonl"\npath = "{lines}"\ncurriculum = "rarity"\n'
-                                   "curriculum_steps = 3")
+    manifest = _manifest(tmp_path, f'[data]\nuse = "jsonl"\npath = "{lines}"\n[order]\nuse = "rarity"\n'
+                                   "steps = 3")
     result = run_cli("run", manifest, "--out", str(tmp_path / "runs"))
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
@@ -175,22 +175,23 @@ def test_an_objectives_own_score_orders_the_documents():
 
 
 def test_the_curriculum_reaches_every_document_by_the_end_of_the_run_by_default(tmp_path):
-    """Unset, ``curriculum_steps`` is the run's own ``max_steps`` (it was a fixed 1000, which a short run
+    """Unset, ``order.steps`` is the run's own ``max_steps`` (it was a fixed 1000, which a short run
     never reached), written into the resolved manifest; one past ``max_steps`` is refused."""
     from lmlab import manifest
 
     lines = tmp_path / "docs.jsonl"
     lines.write_text("".join('{"text": "ab"}\n' for _ in range(20)))
-    data = f'[data]\nuse = "jsonl"\npath = "{lines}"\ncurriculum = "length"'
-    (variant,) = manifest.load(_manifest(tmp_path, data))
-    assert variant.options("data").curriculum_steps == 4 and variant.manifest["data"]["curriculum_steps"] == 4
-    (variant,) = manifest.load(_manifest(tmp_path, data), ["train.max_steps=40"])
-    assert variant.options("data").curriculum_steps == 40
-    (plain,) = manifest.load(_manifest(tmp_path, f'[data]\nuse = "jsonl"\npath = "{lines}"'))
-    assert plain.options("data").curriculum_steps is None  # no curriculum: nothing to pace
+    data = f'[data]\nuse = "jsonl"\npath = "{lines}"'
+    order = data + '\n[order]\nuse = "length"'
+    (variant,) = manifest.load(_manifest(tmp_path, order))
+    assert variant.options("order").steps == 4 and variant.manifest["order"]["steps"] == 4
+    (variant,) = manifest.load(_manifest(tmp_path, order), ["train.max_steps=40"])
+    assert variant.options("order").steps == 40
+    (plain,) = manifest.load(_manifest(tmp_path, data))
+    assert "order" not in plain.manifest  # no curriculum: nothing to pace
     for verb in ("check", "run"):
-        line = refused(run_cli(verb, _manifest(tmp_path, data + "\ncurriculum_steps = 5"), "--out",
+        line = refused(run_cli(verb, _manifest(tmp_path, order + "\nsteps = 5"), "--out",
                                str(tmp_path / "runs")) if verb == "run" else
-                       run_cli(verb, _manifest(tmp_path, data + "\ncurriculum_steps = 5")), "data.curriculum_steps")
+                       run_cli(verb, _manifest(tmp_path, order + "\nsteps = 5")), "order.steps")
         assert "train.max_steps = 4" in line
     assert not (tmp_path / "runs").exists()

@@ -167,6 +167,46 @@ def test_a_model_whose_attention_keeps_its_own_state_decodes_row_by_row_with_the
     assert out_rows.tolist() == out_shared.tolist()
 
 
+def test_a_model_that_supplies_its_own_engine_is_decoded_through_it():
+    from lmlab.api.decoding import SharedCacheEngine, engine_supports_rows
+
+    class CountingEngine(SharedCacheEngine):
+        """A third party's engine: every pass goes through its forward_rows."""
+
+        def __init__(self, model, rows, max_len, **settings):
+            super().__init__(model, rows, max_len, **settings)
+            self.passes = 0
+
+        def forward_rows(self, rows, tokens):
+            self.passes += 1
+            return super().forward_rows(rows, tokens)
+
+    class OwnEngineModel(LanguageModel):  # no `encode`: nothing but make_engine marks it
+        def make_engine(self, rows, max_len, **settings):
+            assert engine_supports_rows(self)
+            self.asked = settings
+            return CountingEngine(self, rows, max_len, **settings)
+
+    plain = model_with("rope")
+    torch.manual_seed(0)
+    model = OwnEngineModel(SHAPE, position=discovery.load("position", "rope")(),
+                           attention=discovery.load("attention", "gqa")(), ffn=discovery.load("ffn", "mlp")(),
+                           tie_embeddings=False).eval()
+    model.load_state_dict(plain.state_dict())
+    engine = make_engine(model, 2, 24, cache="paged", block_size=4)
+    assert type(engine) is CountingEngine
+    assert model.asked == dict(cache="paged", block_size=4, n_blocks=None, cuda_graph=False, compile=False)
+    assert type(engine.companion(plain)) is Engine  # a draft model without its own engine gets the core's
+    batch = prompts([3, 7])
+    outputs = Outputs(None, [6, 6])
+    from lmlab.generation.token_ids import run_decoder
+
+    for _ in run_decoder(greedy(), engine, batch, outputs):
+        pass
+    assert engine.passes >= 1 + 5  # the prompts, then one pass per step
+    assert [c.tokens for c in outputs.completions] == [alone(plain, ids, 6) for ids in batch]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_the_cuda_graph_decode_step_equals_the_eager_one():
     model = model_with("rope", n_kv_heads=2).cuda()

@@ -302,7 +302,7 @@ BROKEN_OBJECTIVES = [
      "maps positions (2, 5) to int64 (2, 1)"),
 ]
 
-# Difficulty (API 1.10, data.curriculum = "objective"): a score per document, from the document alone.
+# Difficulty (API 1.10, [order] use = "difficulty"): a score per document, from the document alone.
 
 
 def document_lengths(split):

@@ -6,7 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lmlab.interop import llama  # noqa: E402
+from lmlab import pretrained  # noqa: E402
+from lmlab_architectures import hf_llama as llama  # noqa: E402
 from support import random_llama  # noqa: E402
 
 
@@ -24,7 +25,7 @@ ROPE_500K = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}
                          ids=["gqa", "rope-theta-500k", "mha", "mqa"])
 def test_llama_logits_and_loss_match_hugging_face(overrides):
     hf = tiny_llama(**overrides)
-    ours = llama.from_hf(hf).eval()
+    ours = llama.from_hf(hf, pretrained.build).eval()
     idx = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(idx, labels=idx)

@@ -1,6 +1,7 @@
 """The data-order slot (``[order]``, lmlab.api.Order): the first-party curricula draw exactly what the
-core's curricula drew before they moved into lmlab-order, the older ``data.curriculum`` spelling
-trains identically, and a third-party order plugin works end to end from a manifest."""
+core's curricula drew before they moved into lmlab-order, the older ``data.curriculum`` spelling is
+refused while runs recorded with it still load, and a third-party order plugin works end to end from
+a manifest."""
 
 import hashlib
 import json
@@ -81,23 +82,84 @@ def _summary(tmp_path, manifest: str, out: str, env: dict | None = None) -> dict
     return json.loads((tmp_path / out / "default" / "summary.json").read_text())
 
 
-def test_the_older_data_curriculum_spelling_trains_exactly_as_the_order_slot(tmp_path):
-    old = _manifest(tmp_path, '[data]\nuse = "jsonl"\npath = "PATH"\ncurriculum = "length"\ncurriculum_steps = 3\n',
-                    "old.toml")
-    new = _manifest(tmp_path, '[data]\nuse = "jsonl"\npath = "PATH"\n[order]\nuse = "length"\nsteps = 3\n', "new.toml")
-    before, after = _summary(tmp_path, old, "old"), _summary(tmp_path, new, "new")
-    assert before["val_loss"] == after["val_loss"] and before["train_loss"] == after["train_loss"]
+ORDERED = '[data]\nuse = "jsonl"\npath = "PATH"\n[order]\nuse = "length"\nsteps = 3\n'
+
+
+@pytest.fixture(scope="module")
+def length_run(tmp_path_factory):
+    """A 4-step run ordered by length, trained once: (its folder, its summary)."""
+    tmp_path = tmp_path_factory.mktemp("length")
+    summary = _summary(tmp_path, _manifest(tmp_path, ORDERED), "runs")
+    return tmp_path / "runs" / "default", summary
+
+
+def test_the_order_slot_trains_as_the_core_did_and_the_older_data_curriculum_spelling_is_refused(length_run,
+                                                                                                  tmp_path):
+    run, summary = length_run
     # the value this run had when the curricula were the core's (lmlab.train.curriculum, API 1.16)
-    assert before["val_loss"] == pytest.approx(1.41643530414218, rel=1e-6)
-    recorded = (tmp_path / "old" / "default" / "manifest.toml").read_text()
-    assert '[order]\nuse = "length"' in recorded
-    provenance = json.loads((tmp_path / "old" / "default" / "provenance.json").read_text())
+    assert summary["val_loss"] == pytest.approx(1.41643530414218, rel=1e-6)
+    provenance = json.loads((run / "provenance.json").read_text())
     assert provenance["plugins"]["order"]["distribution"] == "lmlab-order"
-    assert run_cli("check", str(tmp_path / "old" / "default" / "manifest.toml")).returncode == 0  # both spellings
+    old = _manifest(tmp_path, '[data]\nuse = "jsonl"\npath = "PATH"\ncurriculum = "objective"\ncurriculum_steps = 3\n')
+    line = refused(run_cli("check", old), "data.curriculum")
+    assert 'moved to the order slot: write [order] use = "difficulty" with start, steps, pacing' in line
+
+
+def _as_recorded_before_the_order_slot(run, into):
+    """A copy of ``run`` whose manifest.toml is as lmlab recorded a curriculum before API 1.17: in
+    [data], with every pacing option, and no [order] table."""
+    import re
+    import shutil
+
+    shutil.copytree(run, into)
+    recorded = (into / "manifest.toml").read_text()
+    old = re.sub(r"\[order\]\n(.+\n)*\n?", "", recorded)
+    assert "[order]" not in old
+    old = old.replace("[data]\n", '[data]\ncurriculum = "length"\ncurriculum_start = 0.2\ncurriculum_steps = 3\n'
+                                  'curriculum_pacing = "root"\n', 1)
+    (into / "manifest.toml").write_text(old)
+    return into
+
+
+def test_a_run_recorded_with_the_older_data_curriculum_spelling_still_loads(length_run, tmp_path):
+    from lmlab import manifest
+
+    run, _ = length_run
+    old = _as_recorded_before_the_order_slot(run, tmp_path / "old")
+    (then,) = manifest.load(old / "manifest.toml", resolve_init=False)
+    (now,) = manifest.load(run / "manifest.toml", resolve_init=False)
+    assert then.manifest["order"] == now.manifest["order"] == {"use": "length", "start": 0.2, "steps": 3,
+                                                               "pacing": "root"}
+    assert then.manifest["data"] == now.manifest["data"]
+    out = run_cli("generate", str(old), "--prompt", "ab", "--max-new-tokens", "4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    # as an [init] whose corpus a fine-tune replays (the init's whole manifest is loaded)
+    tune = _manifest(tmp_path, f'[init]\nfrom = "{old}"\n[data]\nuse = "jsonl"\npath = "PATH"\nreplay = 0.5\n',
+                     "tune.toml")
+    assert _summary(tmp_path, tune, "tuned")["status"] == "completed"
+    # a manifest a user writes is held to today's keys
+    refused(run_cli("check", str(old / "manifest.toml")), "data.curriculum")
+
+
+@pytest.mark.parametrize("data, order", [
+    ({"curriculum": "objective", "curriculum_start": 0.5, "curriculum_pacing": "linear"},
+     {"use": "difficulty", "start": 0.5, "pacing": "linear"}),  # before API 1.17: the only spelling
+    ({"curriculum": "none", "curriculum_start": 0.2, "curriculum_pacing": "root"}, None),  # no curriculum
+])
+def test_an_older_record_gives_its_curriculum_to_the_order_slot(data, order):
+    from lmlab.upgrade import upgrade_recorded
+
+    recorded = {"name": "x", "data": {"use": "jsonl", "path": "d.jsonl", **data}}
+    upgraded = upgrade_recorded(recorded)
+    assert upgraded["data"] == {"use": "jsonl", "path": "d.jsonl"} and upgraded.get("order") == order
+    # API 1.17 recorded both spellings: the [order] table is the record's own
+    both = upgrade_recorded({**recorded, "order": {"use": "rarity"}})
+    assert both["data"] == {"use": "jsonl", "path": "d.jsonl"} and both["order"] == {"use": "rarity"}
 
 
 @pytest.mark.parametrize("tables, key", [
-    ('curriculum = "length"\n[order]\nuse = "rarity"\n', "data.curriculum"),  # two orders
+    ('curriculum = "length"\n', "data.curriculum"),  # the older spelling of [order]
+    ('curriculum_steps = 3\n[order]\nuse = "length"\n', "data.curriculum_steps"),
     ('[order]\nuse = "length"\nsteps = 5\n', "order.steps"),  # past train.max_steps = 4
     ('[order]\nuse = "lenght"\n', "order.use"),
     ('[order]\nuse = "difficulty"\n', "order.use"),  # causal-lm gives no difficulty

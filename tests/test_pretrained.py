@@ -16,9 +16,9 @@ from lmlab.checkpoint import model_state
 from lmlab.tables import read_toml
 from lmlab.cli.main import main
 from lmlab.errors import UserError
-from lmlab.interop import llama
 from lmlab.assemble import assemble
 from lmlab.train import runner
+from lmlab_architectures import hf_llama
 from lmlab.prepare import tokens as token_cache
 
 from conftest import CORPUS, tiny_toml
@@ -224,7 +224,7 @@ def test_a_missing_weight_is_refused_unless_not_strict():
                         "dropout": 0.0, "bias": False, "norm": "rmsnorm", "norm_eps": 1e-6,
                         "tie_embeddings": False},
               "position": {"use": "rope"}, "attention": {"use": "mha"}, "ffn": {"use": "swiglu"}}
-    source, target = llama.build(tables), llama.build(tables)
+    source, target = pretrained.build(tables), pretrained.build(tables)
     state = {k: v for k, v in source.state_dict().items() if k != "norm_f.weight"}
     with pytest.raises(UserError, match=r"init.strict: .*lacks 1 weight.*norm_f.weight"):
         pretrained.load_state(target, state)
@@ -295,11 +295,11 @@ def test_a_run_from_a_hugging_face_folder_has_its_logits_then_trains(tmp_path, m
 @pytest.mark.parametrize("tie, shard", [(False, True), (True, False)], ids=["sharded", "tied"])
 def test_hugging_face_weights_load_sharded_or_tied_with_equal_logits(tmp_path, tie, shard):
     folder, hf = hf_folder(tmp_path, CORPUS.read_text()[:5_000], tie=tie, shard=shard)
-    assert (folder / llama.SAFETENSORS_INDEX).is_file() == shard
+    assert (folder / hf_llama.SAFETENSORS_INDEX).is_file() == shard
     source = pretrained.locate(folder)
     tables = pretrained.source_tables(source)
-    model = llama.build(tables).eval()
-    pretrained.load_state(model, llama.read_state(folder))
+    model = pretrained.build(tables).eval()
+    pretrained.load_state(model, hf_llama.read_state(folder))
     idx = torch.randint(0, tables["model"]["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (model(idx) - hf(idx).logits).abs().max().item() <= 1e-5
@@ -316,3 +316,44 @@ def test_an_unsupported_hugging_face_config_is_refused_naming_init_from(tmp_path
     (folder / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(UserError, match=f"init.from: .*{message}"):
         pretrained.source_tables(pretrained.locate(folder))
+
+
+def test_a_hugging_face_folder_is_read_by_the_architecture_that_lists_its_model_type(tmp_path, monkeypatch):
+    """The core names no family: it asks the installed architectures, so a third party's that lists a
+    model_type reads that folder, and another model_type is refused listing what they all read."""
+    from lmlab import discovery
+    from lmlab.api import Architecture
+
+    folder = tmp_path / "toy"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    (folder / "toy.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    tables = {"model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "block_size": 8, "vocab_size": 11},
+              "architecture": {"use": "decoder"}, "position": {"use": "rope"}, "attention": {"use": "mha"},
+              "ffn": {"use": "swiglu"}, "tokenizer": {"use": "hf", "path": str(folder)}}
+
+    class Toy(Architecture):
+        hf_model_types = {"toy": "Toy"}
+
+        @classmethod
+        def hf_tables(cls, folder):
+            return tables
+
+        @classmethod
+        def hf_weight_files(cls, folder):
+            return [folder / "toy.safetensors"]
+
+    Toy.name = "toy"
+    installed, load = discovery.installed(), discovery.load
+    toy = discovery.PluginInfo("architecture", "toy", "lmlab_toy:Toy", "lmlab-toy", "0.1")
+    monkeypatch.setattr(discovery, "installed", lambda: {**installed, "architecture": [*installed["architecture"], toy]})
+    monkeypatch.setattr(discovery, "load", lambda slot, name, key=None:
+                        Toy if (slot, name) == ("architecture", "toy") else load(slot, name, key))
+
+    source = pretrained.locate(folder)
+    assert (source.kind, source.reader, source.weights) == ("Hugging Face Toy", "toy", (folder / "toy.safetensors",))
+    assert pretrained.source_tables(source) == tables
+    (folder / "config.json").write_text(json.dumps({"model_type": "bart"}))
+    with pytest.raises(UserError, match=r"init.from: .*model_type 'bart'.*Llama \(\"llama\".*T5 \(\"t5\".*Toy \(\"toy\""):
+        pretrained.locate(folder)

@@ -15,8 +15,8 @@ from lmlab import manifest, pretrained  # noqa: E402
 from lmlab.assemble import assemble  # noqa: E402
 from lmlab.cli.main import main  # noqa: E402
 from lmlab.errors import UserError  # noqa: E402
-from lmlab.interop import t5  # noqa: E402
 from lmlab.tables import read_toml  # noqa: E402
+from lmlab_architectures import hf_t5 as t5  # noqa: E402
 
 # 8 relative buckets reaching 20 tokens: sequences of 30 use exact, logarithmic and farthest buckets on
 # both sides of the encoder's queries and in the decoder's causal ones.
@@ -69,7 +69,7 @@ def lmlab_forward(model, enc, dec, mask):
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_t5_logits_match_hugging_face(tie, padded):
     hf = random_t5(tie)
-    ours = t5.from_hf(hf).eval()
+    ours = t5.from_hf(hf, pretrained.build).eval()
     enc, dec, _, mask = inputs(padded)
     with torch.no_grad():
         theirs = hf(input_ids=enc, attention_mask=mask, decoder_input_ids=dec).logits
@@ -81,7 +81,7 @@ def test_t5_logits_match_hugging_face(tie, padded):
 @TIES
 def test_t5_loss_and_every_parameter_gradient_match_hugging_face(tie):
     hf = random_t5(tie)
-    ours = t5.from_hf(hf).eval()
+    ours = t5.from_hf(hf, pretrained.build).eval()
     enc, dec, labels, mask = inputs(padded=True)
     theirs = hf(input_ids=enc, attention_mask=mask, decoder_input_ids=dec, labels=labels).loss
     logits = lmlab_forward(ours, enc, dec, mask)
@@ -201,7 +201,7 @@ def test_an_sft_run_starts_from_a_hugging_face_t5_folder_with_its_logits(tmp_pat
     assert main(["check", str(path)]) == 0
 
     source = pretrained.locate(folder)
-    assert source.kind == pretrained.HUGGING_FACE_T5 and source.weights == (folder / "model.safetensors",)
+    assert source.kind == "Hugging Face T5" and source.weights == (folder / "model.safetensors",)
     assert pretrained.source_tables(source)["tokenizer"] == {"use": "hf", "path": str(folder)}
     (variant,) = manifest.load(path)
     assert variant.slots["architecture"].name == "encoder-decoder" and variant.model.block_size == 48

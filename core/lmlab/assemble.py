@@ -135,8 +135,8 @@ def special_ids(objective, tokenizer) -> dict[str, int]:
     the next id past its vocabulary (in the order the objective names them), so that the ids of a
     run are a function of its tokenizer and objective alone and a checkpoint reloads with them."""
     special, next_id = {}, tokenizer.vocab_size
-    for name in getattr(objective, "special_tokens", ()):
-        own = tokenizer.special_id(name) if hasattr(tokenizer, "special_id") else None
+    for name in objective.special_tokens:
+        own = tokenizer.special_id(name)
         if own is None:
             own, next_id = next_id, next_id + 1
         special[name] = own
@@ -154,7 +154,7 @@ def vocabulary(model, objective, tokenizer, architecture=None) -> tuple[ModelSha
             size = model.vocab_size
             return model_shape(model, size), Vocabulary(size=size, tokenizer_size=size,
                                                         decoder_start_id=decoder_start(architecture, objective, None))
-        names = tuple(getattr(objective, "special_tokens", ()))
+        names = tuple(objective.special_tokens)
         shape = model_shape(model, None, len(names))
         special = {name: UNKNOWN_VOCABULARY + i for i, name in enumerate(names)}
         return shape, Vocabulary(size=shape.vocab_size, tokenizer_size=UNKNOWN_VOCABULARY, special=special,
@@ -177,4 +177,4 @@ def decoder_start(architecture, objective, eos_id: int | None) -> int | None:
 def _vocabulary_from_tokenizer(model, objective) -> bool:
     """Whether the model's vocabulary depends on the tokenizer: not when ``model.vocab_size`` is set and
     the objective reserves no special token that might take the tokenizer's ids."""
-    return not model.vocab_size or bool(getattr(objective, "special_tokens", ()))
+    return not model.vocab_size or bool(objective.special_tokens)

@@ -155,7 +155,8 @@ def _without_random_init():
     class WithoutRandomInit(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func in random_fills:  # the tensor filled in place is returned, as the real ones do
-                return args[0] if args else kwargs["tensor"]
+                # It is the fill's one tensor argument, whether given by position or by keyword.
+                return next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor))
             return func(*args, **(kwargs or {}))
 
     return WithoutRandomInit()

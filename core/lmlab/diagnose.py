@@ -94,10 +94,28 @@ def nonfinite_fixes(manifest: dict, lr: float | None) -> list[Fix]:
         fixes.append(Fix("bfloat16 has float32's exponent range, so activations and gradients do not overflow",
                          "train.precision", "bf16-mixed"))
     uses = manifest.get("monitor", {}).get("use", [])
-    if "nan-guard" not in uses:
-        fixes.append(Fix("skip non-finite steps and roll back after repeated ones instead of failing",
-                         "monitor.use", [*uses, "nan-guard"]))
+    recovering = _recovering_monitors()
+    if recovering and not any(name in recovering for name in uses):
+        name, (what, options) = next(iter(recovering.items()))
+        fixes.append(Fix(what, "monitor.use", [*uses, name],
+                         also={f"monitor.{name}.{key}": value for key, value in options.items()}))
     return fixes
+
+
+def _recovering_monitors() -> dict:
+    """Installed monitor name → its [nonfinite_recovery][lmlab.api.monitor.Monitor.nonfinite_recovery],
+    for those that declare one, by name."""
+    from lmlab import discovery
+
+    found = {}
+    for name in sorted({info.name for info in discovery.installed().get("monitor", [])}):
+        try:
+            recovery = discovery.load("monitor", name, key="monitor.use").nonfinite_recovery()
+        except Exception:  # noqa: BLE001 - a plugin that cannot load here suggests nothing
+            continue
+        if recovery is not None:
+            found[name] = recovery
+    return found
 
 
 def non_finite(message: str, manifest: dict, facts: dict) -> Diagnosis:

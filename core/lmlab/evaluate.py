@@ -75,8 +75,9 @@ def _length(tokenizer, text: str) -> int:
 
 
 class _EngineStepper:
-    """Stepper's start/step over the generation engine, for an encoder-decoder model: the prompt goes
-    through the encoder, and the decoder continues from its start id."""
+    """Stepper's start/step over the generation engine, for a model that supplies its own engine
+    (``make_engine``: an encoder-decoder, whose prompt goes through the encoder and whose decoder
+    continues from its start id)."""
 
     def __init__(self, model, batch_size: int, max_len: int):
         from lmlab.generation.engine import make_engine
@@ -93,7 +94,7 @@ class _EngineStepper:
 
 
 def _greedy(model, tokenizer, prompt: torch.Tensor, max_new: int, stop: str) -> list[str]:
-    stepping = _EngineStepper if hasattr(model, "encode") else Stepper
+    stepping = _EngineStepper if hasattr(model, "make_engine") else Stepper
     stepper = stepping(model, prompt.shape[0], prompt.shape[1] + max_new)
     logits = stepper.start(prompt)
     out = []

@@ -38,12 +38,15 @@ class Point:
     uses: dict[str, set[str]] = field(default_factory=dict)
 
 
-def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True) -> list:
+def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True, recorded: bool = False) -> list:
     """Every variant of the manifest at ``path`` with ``overrides`` ("dotted.key=value") applied.
 
-    ``resolve_init=False`` leaves out the ``[init]`` table: for a run folder's own manifest.toml, whose
-    tables are resolved already and whose weights come from its own checkpoints (``lmlab generate``),
-    so that the run still loads when the run it was fine-tuned from has moved.
+    ``recorded``: ``path`` is a run folder's own manifest.toml, which an older lmlab may have written;
+    it is read in today's terms (:mod:`lmlab.upgrade`), where a manifest a user writes is held to them.
+    ``resolve_init=False`` (implies ``recorded``) leaves out the ``[init]`` table: for a run folder's
+    own manifest.toml, whose tables are resolved already and whose weights come from its own
+    checkpoints (``lmlab generate``), so that the run still loads when the run it was fine-tuned from
+    has moved.
     """
     import dataclasses
 
@@ -51,10 +54,11 @@ def load(path: str | Path, overrides: list[str] = (), resolve_init: bool = True)
 
     path = Path(path)
     raw = read_toml(path)
-    if not resolve_init:
+    if recorded or not resolve_init:
         from lmlab.upgrade import upgrade_recorded
 
         raw = upgrade_recorded(raw)
+    if not resolve_init:
         raw.pop("init", None)
     merged = _deep_merge(defaults(), raw)
     # What the user set, as opposed to the defaults: [init] refuses only values the user gave that

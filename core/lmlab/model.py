@@ -246,7 +246,7 @@ def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int |
     ``[model]`` settings; bidirectional when the objective is not causal, which needs attention plugins
     that support it (``Attention.bidirectional``); an encoder-decoder needs their cross-attention too. A
     decoder with ``exit_threshold`` needs the model's exit heads."""
-    if "architecture" not in plugins:  # a caller that assembles plugins by hand (interop, tests): the slot's default
+    if "architecture" not in plugins:  # a caller that assembles plugins by hand (tests, the kit): the slot's default
         plugins = {**plugins, "architecture": default_plugin("architecture")}
     objective = plugins.get("objective")
     arch = plugins["architecture"]

@@ -59,7 +59,7 @@ def evaluate(model, objective, split: TokenSplit, block_size: int, batch_size: i
     model.eval()
     rich = objective.wants_windows()
     labels = objective.token_labels(split) if rich else None
-    if getattr(objective, "sampling", "windows") == "documents":
+    if objective.sampling == "documents":
         batches = FixedDocuments(split.tokens, split.document_starts, block_size, batch_size, seed, None, labels)
     elif rich:
         batches = FixedWindowBatches(split.tokens, block_size, batch_size, seed, None, labels)

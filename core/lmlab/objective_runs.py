@@ -20,7 +20,7 @@ def run_paths(variant, objective) -> dict[str, Path]:
     """Option name → the run folder it names (its ``[init]`` run when unset)."""
     paths = {}
     init = init_run(variant)
-    for name in getattr(objective, "needs_runs", ()):
+    for name in objective.needs_runs:
         key = f"objective.{name}"
         value = getattr(objective.options, name, None)
         if value:
@@ -88,7 +88,7 @@ def read_runs(variant, objective, tokenizer=None, models: bool = False) -> dict[
 def check(variant, objective, tokenizer) -> None:
     """``lmlab check``: the objective's runs exist, load, share the tokenizer (when it is known before the
     data) and pass the objective's own ``check_runs``."""
-    if not getattr(objective, "needs_runs", ()):
+    if not objective.needs_runs:
         return
     if tokenizer is None and init_run(variant) is not None:
         # A fine-tune's tokenizer is its [init]'s, which can be read without the data.
@@ -104,7 +104,7 @@ def prepare(variant, objective, tokenizer, decoder) -> list:
     run's generate function; returns the models, which the caller moves to the training device."""
     from lmlab.generation.batch import generate_ids
 
-    runs = read_runs(variant, objective, tokenizer, models=True) if getattr(objective, "needs_runs", ()) else {}
+    runs = read_runs(variant, objective, tokenizer, models=True) if objective.needs_runs else {}
     generate = partial(generate_ids, decoder, eos_id=tokenizer.eos_id)
     objective.prepare(ObjectiveContext(runs=runs, tokenizer=tokenizer, generate=generate, decoder=decoder,
                                        init=init_run(variant)))

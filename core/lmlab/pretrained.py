@@ -10,13 +10,12 @@ trains them further on its own data with a fresh optimizer. An init is one of
   (``tokenizer/``) and the weights of ``checkpoints/best.ckpt`` (``init.checkpoint = "best"``;
   last.ckpt when there is no best) or ``last.ckpt``;
 - a checkpoint file in a run folder (``.../checkpoints/last.ckpt``): the same, with that file's weights;
-- a local Hugging Face Llama-family folder (``config.json``, ``model.safetensors`` or a sharded
-  ``model.safetensors.index.json``, ``tokenizer.json``), as ``save_pretrained`` writes it: the tables
-  of :func:`lmlab.interop.llama.manifest_tables`, the ``hf`` tokenizer over its ``tokenizer.json``, and
-  the weights renamed by :func:`lmlab.interop.llama.state_dict_from_hf`;
-- a local Hugging Face T5 folder (the same files): an encoder–decoder model (``[architecture] use =
-  "encoder-decoder"``), read by :mod:`lmlab.interop.t5` in the same way. Which of the two a folder
-  is, config.json's ``model_type`` says (``"llama"``, ``"t5"``; any other is refused).
+- a local Hugging Face folder (``config.json``, ``model.safetensors`` or a sharded
+  ``model.safetensors.index.json``, ``tokenizer.json``), as ``save_pretrained`` writes it, of a family
+  an installed architecture plugin reads: the one whose ``hf_model_types`` lists config.json's
+  ``model_type`` gives the tables (``hf_tables``), the weight files (``hf_weight_files``) and the
+  weights in lmlab's names (``hf_state``); any other model_type is refused. The first-party readers:
+  Llama (the ``decoder`` architecture) and T5 (``encoder-decoder``), in lmlab-architectures.
 
 Three moments of a run use it. **Validation** (:func:`merge_tables`, so ``lmlab check`` shows it): the
 init's tables replace the manifest's; a value the manifest sets itself must agree with the init's, or
@@ -40,6 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmlab.hf_folder import HUGGING_FACE, load_reader, reader_for
 from lmlab.upgrade import upgrade_recorded
 from lmlab.checkpoint import problem as checkpoint_problem
 from lmlab.errors import UserError
@@ -49,19 +49,17 @@ from lmlab.tables import read_toml, validate_options
 GOVERNED = ("model", "architecture", "position", "attention", "ffn", "tokenizer")
 #: [model] keys a fine-tune may set to another value than the init's: no weight depends on them.
 FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std", "exit_layers"})
-RUN, HUGGING_FACE = "lmlab run", "Hugging Face Llama"
-HUGGING_FACE_T5 = "Hugging Face T5"
-#: config.json's model_type → the init's kind (read by lmlab.interop's llama or t5: :func:`_interop`).
-HUGGING_FACE_FAMILIES = {"llama": HUGGING_FACE, "t5": HUGGING_FACE_T5}
+RUN = "lmlab run"
 
 
 @dataclass(frozen=True)
 class Source:
     path: Path  # what init.from names
-    kind: str  # RUN or HUGGING_FACE
+    kind: str  # RUN or HUGGING_FACE with the family's name
     folder: Path  # the run folder or the Hugging Face folder
     weights: tuple[Path, ...]  # the checkpoint file, or the safetensors files
     tokenizer_dir: Path  # what the tokenizer plugin's load() reads
+    reader: str | None = None  # the architecture plugin that reads a Hugging Face folder
 
 
 def locate(path: Path, checkpoint: str = "best") -> Source:
@@ -93,8 +91,8 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         _check_readable(found[0], refuse)
         return Source(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
     if (path / "config.json").is_file():
-        kind = _hugging_face_kind(path, refuse)
-        weights = _interop(kind).weight_files(path)
+        name, reader, family = reader_for(path, refuse)
+        weights = reader.hf_weight_files(path)
         missing = [p.name for p in weights if not p.is_file()]
         if missing:
             other = " (only safetensors are read: pickled .bin weights can run code; convert with "\
@@ -103,41 +101,12 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         if not (path / "tokenizer.json").is_file():
             raise refuse("a Hugging Face folder without tokenizer.json (the `hf` tokenizer reads the fast-tokenizer "
                          "file; AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
-        return Source(path, kind, path, tuple(weights), path)
+        return Source(path, HUGGING_FACE.format(family=family), path, tuple(weights), path, name)
     runs = sorted(p.name for p in path.iterdir() if (p / "manifest.toml").is_file())
     if runs:
         raise refuse(f"holds the runs of a sweep; name one of them ({', '.join(runs[:3])}"
                      f"{', ...' if len(runs) > 3 else ''})")
     raise refuse("is neither a run folder (manifest.toml) nor a Hugging Face folder (config.json)")
-
-
-def _hugging_face_kind(folder: Path, refuse) -> str:
-    """The kind of a Hugging Face folder, by its config.json's model_type (a UserError for a family
-    lmlab does not read). A config.json that is not a JSON object is left to the Llama reader, which
-    reports it as it always has."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return HUGGING_FACE
-    if not isinstance(config, dict):
-        return HUGGING_FACE
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in HUGGING_FACE_FAMILIES:
-        known = " and ".join(f"{kind.removeprefix('Hugging Face ')} (\"{name}\")"
-                             for name, kind in HUGGING_FACE_FAMILIES.items())
-        raise refuse(f"config.json has model_type {model_type!r}; lmlab reads Hugging Face {known} checkpoints")
-    return HUGGING_FACE_FAMILIES[model_type]
-
-
-def _interop(kind: str):
-    """The lmlab.interop module that reads a Hugging Face folder of ``kind``."""
-    if kind == HUGGING_FACE_T5:
-        from lmlab.interop import t5
-
-        return t5
-    from lmlab.interop import llama
-
-    return llama
 
 
 def _check_finished(run: Path, refuse) -> None:
@@ -171,13 +140,37 @@ def source_tables(source: Source) -> dict[str, dict]:
             raise UserError(f"{source.folder}: its manifest.toml has no [{absent[0]}] table; is it a run folder?",
                             key="init.from")
         return {t: recorded[t] for t in GOVERNED}
-    family = source.kind.removeprefix("Hugging Face ")  # Llama, T5
+    family = source.kind.removeprefix(HUGGING_FACE.format(family=""))
     try:
-        tables = _interop(source.kind).folder_tables(source.folder)
+        tables = load_reader(source.reader).hf_tables(source.folder)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise UserError(f"{source.folder}: cannot be read as a {family} checkpoint: {type(exc).__name__}: {exc}",
                         key="init.from") from None
+    absent = [t for t in GOVERNED if not isinstance(tables.get(t), dict)]
+    if absent:  # a third party's reader: merge_tables needs every one
+        raise UserError(f"{source.folder}: architecture {source.reader!r} read no [{absent[0]}] table from it",
+                        key="init.from")
     return tables
+
+
+def build(tables: dict):
+    """An (untrained) model of an init's tables (:func:`source_tables`, an architecture's
+    ``hf_tables``), with no objective, built as every run's model is (:func:`lmlab.model.build_model`):
+    what a checkpoint converted in memory is loaded into (``from_hf(hf_model, build)`` of the
+    first-party readers). Tables without [architecture] (recorded before API 1.18) get the default."""
+    from lmlab import discovery
+    from lmlab.config import ModelOptions
+    from lmlab.model import build_model, shape_of
+
+    model = ModelOptions(**tables["model"])
+    plugins = {}
+    for slot in ("architecture", "position", "attention", "ffn"):
+        if slot in tables or slot != "architecture":
+            cls = discovery.load(slot, tables[slot]["use"])
+            plugins[slot] = cls(cls.Options(**{k: v for k, v in tables[slot].items() if k != "use"}))
+    arch = plugins.get("architecture")
+    return build_model(model, shape_of(model, model.vocab_size), plugins,
+                       arch.decoder_start_id(None) if arch is not None else None)
 
 
 # -- validation -------------------------------------------------------------------------------------
@@ -285,7 +278,7 @@ def initialise(variant, model, run_dir: Path | None = None, resuming: bool = Fal
         their_block = source_tables(source)["model"].get("block_size")
     else:
         try:
-            state = _interop(source.kind).read_state(source.folder)
+            state = load_reader(source.reader).hf_state(source.folder)
         except ImportError as exc:
             raise UserError(f"reading Hugging Face weights needs the safetensors package ({exc}): "
                             "pip install safetensors", key="init.from") from None

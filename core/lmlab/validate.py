@@ -86,9 +86,7 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, point) -> Varia
         _check_resolved(manifest["resolved"], resolved, tables["train"], tables["model"], base_dir)
     notes += _rule_notes(tables["train"], tables["model"], resolved)
     train = _resolve_train(tables["train"], slots.get("optimizer"), resolved)
-    if "data" in slots:
-        slots["data"] = _resolve_curriculum(slots["data"], train.max_steps)
-    _resolve_order(slots, train.max_steps, base_dir)
+    _resolve_order(slots, train.max_steps)
     return Variant(variant_name, experiment=name, seed=seed, description=description, model=tables["model"],
                    train=train, resolved=resolved, slots=slots, base_dir=base_dir, init=init, init_source=source,
                    sweep=dict(point.settings) if point is not None else {}, notes=tuple(notes))
@@ -195,11 +193,8 @@ def _rule_notes(train, model, resolved) -> list[str]:
 
 
 def _replicas(parallel: Choice | None) -> int:
-    """Data-parallel replicas (``Parallel.data_parallel_replicas``); 1 for a plugin from before API 1.7."""
-    if parallel is None:
-        return 1
-    replicas = getattr(parallel.build(), "data_parallel_replicas", None)
-    return int(replicas()) if replicas is not None else 1
+    """Data-parallel replicas (``Parallel.data_parallel_replicas``); 1 without a parallel plugin."""
+    return int(parallel.build().data_parallel_replicas()) if parallel is not None else 1
 
 
 def _check_resolved(given, derived, train, model, base_dir: Path) -> None:
@@ -224,38 +219,10 @@ def _check_resolved(given, derived, train, model, base_dir: Path) -> None:
                             "those rules: remove it, or change the rule's own keys", key=f"resolved.{key}")
 
 
-def _resolve_curriculum(data: Choice, max_steps: int) -> Choice:
-    """``data.curriculum_steps`` unset stands for the whole run; one past ``train.max_steps`` would
-    end the run before the hardest documents are ever drawn, so it is refused rather than trained."""
-    steps = getattr(data.options, "curriculum_steps", None)
-    if getattr(data.options, "curriculum", "none") == "none":
-        return data
-    if steps is None:
-        return Choice(data.plugin, data.options.model_copy(update={"curriculum_steps": max_steps}))
-    if steps > max_steps:
-        raise UserError(f"{steps} is past train.max_steps = {max_steps}: the run would end before training draws "
-                        "from the hardest documents; leave it unset (the whole run) or lower it",
-                        key="data.curriculum_steps")
-    return data
-
-
-def _resolve_order(slots: dict, max_steps: int, base_dir: Path) -> None:
-    """``data.curriculum = "<name>"`` (API 1.10) is the older spelling of ``[order] use = "<name>"``
-    with the ``data.curriculum_*`` pacing: it becomes that [order] table, so old manifests train
-    exactly as before and the run records the slot. ``order.steps`` unset stands for the whole run."""
-    from lmlab.api.data import CURRICULUM_ORDERS
-
-    data, order = slots.get("data"), slots.get("order")
-    kind = getattr(data.options, "curriculum", "none") if data is not None else "none"
-    kind = CURRICULUM_ORDERS.get(kind, kind)
-    if kind != "none" and order is not None and order.plugin.name != kind:
-        raise UserError(f"{kind!r} contradicts [order] use = {order.plugin.name!r}; data.curriculum is the older "
-                        "spelling of [order] use: give one of them", key="data.curriculum")
-    if kind != "none" and order is None:
-        cls = discovery.load("order", kind, key="data.curriculum")
-        old = data.options
-        pacing = {"start": old.curriculum_start, "steps": old.curriculum_steps, "pacing": old.curriculum_pacing}
-        order = Choice(cls, validate_options(cls.Options, pacing, "data", base_dir, plugin=kind))
+def _resolve_order(slots: dict, max_steps: int) -> None:
+    """``order.steps`` unset stands for the whole run; one past ``train.max_steps`` would end the run
+    before the hardest documents are ever drawn, so it is refused rather than trained."""
+    order = slots.get("order")
     if order is None:
         return
     steps = getattr(order.options, "steps", None)

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmlab.slots import MANY_SLOTS, SLOTS
+
+if TYPE_CHECKING:  # the types only: resolution imports them anyway, and importing a Variant should not
+    from lmlab.config import InitOptions, ModelOptions, ResolvedOptions, TrainOptions
+    from lmlab.pretrained import Source
 
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
 
@@ -69,13 +73,13 @@ class Variant:
     experiment: str  # the manifest's name: runs go to runs/<experiment>/<name>/
     seed: int
     description: str
-    model: Any  # lmlab.config.ModelOptions
-    train: Any  # lmlab.config.TrainOptions
+    model: "ModelOptions"
+    train: "TrainOptions"
     slots: Mapping[str, Choice | tuple[Choice, ...]]  # slot → its choice (many-valued slots: a tuple)
-    resolved: Any = None  # lmlab.config.ResolvedOptions: what grad_clip = "auto" and lr_scaling give
+    resolved: "ResolvedOptions | None" = None  # what grad_clip = "auto" and lr_scaling give
     base_dir: Path = Path(".")  # the manifest's folder: relative paths resolved against it
-    init: Any = None  # lmlab.config.InitOptions of a fine-tune, or None
-    init_source: Any = None  # lmlab.pretrained.Source: where init.from was found (located once)
+    init: "InitOptions | None" = None  # a fine-tune's [init], or None
+    init_source: "Source | None" = None  # where init.from was found (located once)
     sweep: Mapping[str, Any] = field(default_factory=dict)  # this point's [sweep] settings
     notes: tuple[str, ...] = ()  # what resolution changed that the user should know
     peer_keys: tuple[str, ...] = ()  # dotted keys of every variant of the same manifest (for trackers)

@@ -29,15 +29,24 @@ Composition: an option field named in ``Architecture.components`` holds tables o
 table with that plugin's own Options (a wrong type names the dotted key), lists them in
 ``lmlab schema``, records each plugin's distribution in ``provenance.json``, runs its ``check`` and
 hands the built instances to ``build`` in ``ModelParts.components``.
+
+Checkpoint readers: an architecture that builds the model of a published family converts that
+family's checkpoints. ``[init] from = "<Hugging Face folder>"`` is read by the installed architecture
+whose ``hf_model_types`` lists the folder's config.json ``model_type`` (``hf_tables``,
+``hf_weight_files``, ``hf_state``); the core names no family.
 """
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmlab.api.errors import UserError
 from lmlab.api.plugin import Plugin
 from lmlab.api.shape import ModelShape
+
+if TYPE_CHECKING:
+    import torch
 
 FAMILIES = ("decoder", "encoder", "encoder-decoder")
 """Model families: decoder-only (GPT), encoder-only (BERT, bidirectional), encoder–decoder (T5)."""
@@ -87,6 +96,37 @@ class Architecture(Plugin):
     """Option field → slot: the field holds a table of plugin tables of that slot, keyed by a label
     (``{"mixers": "attention"}``: ``[architecture.mixers.M] use = "mamba"``). Declare the field as
     ``dict[str, dict[str, Any]]``; the core validates the nested tables."""
+
+    hf_model_types: ClassVar[Mapping[str, str]] = {}
+    """The Hugging Face checkpoints this architecture reads: config.json's ``model_type`` → the
+    family's name, as messages and the init's record (``"Hugging Face <name>"``) write it
+    (``{"llama": "Llama"}``). Empty: none; the ``hf_*`` methods are then never called."""
+
+    @classmethod
+    def hf_tables(cls, folder: Path) -> dict[str, dict]:
+        """The manifest tables of the Hugging Face folder ``folder`` (its config.json has one of
+        ``hf_model_types``): ``model``, ``architecture``, ``position``, ``attention``, ``ffn`` and
+        ``tokenizer``, each as a manifest writes it (``use`` and the plugin's options; ``model``: the
+        ``[model]`` keys). The model these tables build must hold exactly the weights of ``hf_state``.
+        Read config files only, never weights: ``lmlab check`` calls it. Raise ValueError (or
+        KeyError, TypeError) for a checkpoint lmlab cannot express; the core reports it naming
+        ``init.from``."""
+        raise NotImplementedError
+
+    @classmethod
+    def hf_weight_files(cls, folder: Path) -> list[Path]:
+        """The files the folder's weights are in, in the order they are read (``model.safetensors``,
+        or the shards its index names), whether or not they exist: the core refuses a folder that
+        lacks one, naming it, and records each file's SHA-256 as the init's."""
+        raise NotImplementedError
+
+    @classmethod
+    def hf_state(cls, folder: Path) -> dict[str, "torch.Tensor"]:
+        """The folder's weights in lmlab's names: a state dict of the model ``hf_tables(folder)``
+        builds (each tensor on the CPU, shaped as that model's parameter), converted so that the
+        model computes what the checkpoint's does. Raise ImportError when a package it reads with
+        (safetensors) is missing."""
+        raise NotImplementedError
 
     def family(self, trains: tuple[str, ...], objective: str) -> str:
         """The family of the model for an objective that trains ``trains`` (its default first);

@@ -3,8 +3,11 @@
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Literal, Union
+from typing import Callable, ClassVar, Iterable, Union
 
+from pydantic import model_validator
+
+from lmlab.api.errors import UserError
 from lmlab.api.options import Field, Options
 from lmlab.api.plugin import Plugin
 
@@ -95,12 +98,17 @@ def document_text(doc: Document) -> str:
 
 
 #: DataOptions that decide how training draws from the corpus, not what it holds (not in the fingerprint).
-SAMPLING_OPTIONS = frozenset({"replay", "curriculum", "curriculum_start", "curriculum_steps", "curriculum_pacing"})
+SAMPLING_OPTIONS = frozenset({"replay"})
 
 
-#: ``data.curriculum`` (API 1.10) value → the ``order`` plugin it stands for (API 1.17): the same name,
-#: but for ``objective``, which as an order plugin is ``difficulty`` (a plugin must not share its name
-#: with a slot).
+#: ``[data]`` keys of the older spelling of the order slot (``data.curriculum``, API 1.10 to 1.17) → the
+#: ``[order]`` key each became. A manifest giving one is refused; ``lmlab.upgrade`` reads run folders
+#: recorded with them.
+MOVED_TO_ORDER = {"curriculum": "use", "curriculum_start": "start", "curriculum_steps": "steps",
+                  "curriculum_pacing": "pacing"}
+
+#: ``data.curriculum`` value → the ``order`` plugin it stands for: the same name, but for ``objective``,
+#: which as an order plugin is ``difficulty`` (a plugin must not share its name with a slot).
 CURRICULUM_ORDERS = {"length": "length", "rarity": "rarity", "objective": "difficulty"}
 
 
@@ -113,19 +121,20 @@ class DataOptions(Options):
     replay: float = Field(
         0.0, ge=0, lt=1, help="share of training rows taken instead from the [init] run's own training corpus "
                               "(replay against forgetting while fine-tuning; API 1.4)")
-    curriculum: Literal["none", "length", "rarity", "objective"] = Field(
-        "none", help="order training documents from easy to hard (API 1.10): by length in tokens, by token rarity "
-                     "(mean -log unigram frequency), or by the objective's own difficulty score; none: uniform. "
-                     "The older spelling of [order] use = \"<name>\" (API 1.17; objective: difficulty), paced by the "
-                     "curriculum_* options")
-    curriculum_start: float = Field(
-        0.2, gt=0, le=1, help="share of the training documents, the easiest, that training draws from at step 0")
-    curriculum_steps: int | None = Field(
-        None, ge=1, help="the step from which training draws from every document (the share grows until then); "
-                         "unset: train.max_steps, the whole run")
-    curriculum_pacing: Literal["linear", "root"] = Field(
-        "root", help="how the share grows: linear, or root (sqrt; Platanios et al. 2019's competence, which adds "
-                     "hard documents sooner)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_order(cls, values):
+        # API 1.18 removed the older spelling of the order slot; a refusal that names the new table
+        # fixes an old manifest in one edit, where "unknown option" would leave the user searching.
+        if isinstance(values, dict):
+            for key, new in MOVED_TO_ORDER.items():
+                if key in values:
+                    kind = values.get("curriculum")
+                    use = CURRICULUM_ORDERS.get(kind, "<name>") if isinstance(kind, str) else "<name>"
+                    raise UserError(f"moved to the order slot: write [order] use = \"{use}\" with start, steps, "
+                                    f"pacing (data.{key} is order.{new})", key=f"data.{key}")
+        return values
 
 
 class DataSource(Plugin):

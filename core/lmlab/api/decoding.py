@@ -1,4 +1,11 @@
-"""The decoding slot: turns prompts into continuations."""
+"""The decoding slot: turns prompts into continuations.
+
+Also the core's shared-cache engine, for a model whose decoding needs more than the shared key/value
+store (API 1.18; see [LanguageModel][lmlab.api.model.LanguageModel]): ``SharedCacheEngine``, imported
+on first use from this module, is the class a model's own engine subclasses (its docstring lists what
+a subclass may use and override), and
+[engine_supports_rows][lmlab.api.decoding.engine_supports_rows] says whether a model can decode through it.
+"""
 
 from typing import Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
@@ -341,3 +348,22 @@ class Stepper:
         keep = self.tokens[:, -max(1, self.window - 1):] if self.tokens.shape[1] >= self.window else self.tokens
         self.cache = self.model.new_cache(self.tokens.shape[0], self.window)
         return self.model(keep, cache=self.cache)[:, -1]
+
+
+def engine_supports_rows(model: LanguageModel) -> bool:
+    """Whether ``model`` can decode through ``SharedCacheEngine`` (API 1.18): every block's attention
+    gives a [kv_layout][lmlab.api.attention.AttentionModule.kv_layout] and its position module takes
+    per-row positions. A model whose own engine subclasses it checks this first, and refuses otherwise."""
+    from lmlab.generation.engine import supports_rows
+
+    return supports_rows(model)
+
+
+def __getattr__(name: str):
+    # The engine is the core's generation code, imported on first use: a plugin that only declares a
+    # decoder does not load it.
+    if name == "SharedCacheEngine":
+        from lmlab.generation.engine import Engine as SharedCacheEngine
+
+        return SharedCacheEngine
+    raise AttributeError(f"module 'lmlab.api.decoding' has no attribute {name!r}")

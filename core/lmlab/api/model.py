@@ -9,7 +9,17 @@ from lmlab.api.cache import InferenceCache
 
 class LanguageModel(Protocol):
     """The assembled model, as a decoder sees it (the core's ``lmlab.model.LanguageModel``, an
-    ``nn.Module``): token embedding, position module, ``blocks``, final norm and head."""
+    ``nn.Module``): token embedding, position module, ``blocks``, final norm and head.
+
+    A model whose decoding needs more than the shared key/value store supplies its own engine (API
+    1.18): a method ``make_engine(rows, max_len, **settings)`` returning an
+    [Engine][lmlab.api.decoding.Engine] for up to ``rows`` sequences of up to ``max_len`` tokens,
+    ``settings`` being the cache's (``cache``, ``block_size``, ``n_blocks``, ``cuda_graph``,
+    ``compile``, as in [DecodingOptions][lmlab.api.decoding.DecodingOptions]). The core then decodes
+    through it rather than its own; it is typically a subclass of ``lmlab.api.decoding.SharedCacheEngine``
+    (an encoder–decoder's engine adds each row's encoder output). A model without it (the core's
+    decoder stack) decodes through the core's engine.
+    """
 
     block_size: int
     """``model.block_size``: the window length the model was trained on."""

@@ -160,3 +160,14 @@ class Monitor(Plugin):
     ``[monitor.<name>]``; override ``check`` to refuse options that cannot work with the variant."""
 
     slot = "monitor"
+
+    @classmethod
+    def nonfinite_recovery(cls) -> tuple[str, dict[str, Any]] | None:
+        """How this monitor keeps a run going through a non-finite loss or gradient instead of letting
+        it fail (API 1.18), for the fixes of a non-finite diagnosis: ``(what it does, options)``, the
+        options being this plugin's own that make it do so (``("skip non-finite steps and roll back
+        after repeated ones instead of failing", {"action": "skip"})``). A run that used no monitor
+        declaring one is told to add the first installed one (by name), as ``--set monitor.use=[...,
+        NAME]`` with ``--set monitor.NAME.OPTION=VALUE`` for each option. Default: None, the monitor
+        does not recover."""
+        return None

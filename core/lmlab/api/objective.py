@@ -192,13 +192,13 @@ class Objective(Plugin):
         return None
 
     def difficulty(self, split: TokenSplit) -> np.ndarray | None:
-        """A difficulty score per training document, for ``data.curriculum = "objective"`` (API 1.10):
+        """A difficulty score per training document (API 1.10), for ``[order] use = "difficulty"``:
         training starts on the lowest-scored documents and adds harder ones on the curriculum's
         schedule. Called once, on the training split, when the run's data is set up.
 
         Returns:
             (n_documents,) float, one per entry of ``split.document_starts``; None (the default):
-            this objective has no score, and the curriculum is refused naming ``data.curriculum``.
+            this objective has no score, and the curriculum is refused naming ``order.use``.
         """
         return None
 

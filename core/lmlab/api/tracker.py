@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lmlab.api.plugin import Plugin
 
@@ -45,6 +45,12 @@ class Tracker(Plugin):
     """
 
     slot = "tracker"
+    run_files: ClassVar[tuple[str, ...]] = ()
+    """Names of the files and folders this tracker keeps in a run's folder (API 1.18), e.g. its local
+    copy of the remote run. They are removed with the run's own files when a run starts over
+    (``lmlab run --overwrite``, or an attempt that left no checkpoint), so that the new run is not
+    mixed into the earlier attempt's remote one. Plain names only: one with a path separator or
+    ``..`` is ignored. Default: none."""
 
     def start(self, info: RunInfo) -> None:
         """Begin tracking one variant's run.

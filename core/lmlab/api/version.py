@@ -2,7 +2,10 @@
 
 Plugins declare the range they work with (``Plugin.api``); discovery refuses a plugin whose range
 excludes this version. Bump the minor version when the API gains something (old plugins keep
-working), the major version when something a plugin relies on changes.
+working), the major version when something a plugin relies on changes. A name is removed only in a
+major version, or, for a user-facing manifest spelling, replaced by a one-line refusal that names the
+new key (``[model] architecture`` → ``[architecture] use``, ``[data] curriculum`` → ``[order] use``), while
+run folders recorded under the old spelling are still read (``lmlab.upgrade``).
 
 The policy for ``api``: declare ``">=1.N,<2"``, where 1.N is the minor (listed below) that introduced
 the newest API feature the plugin uses, whether it calls it, imports it, overrides it or sets it: a
@@ -162,6 +165,20 @@ and raise the bound when the plugin starts to use a newer one.
      ``Architecture.components`` declares option fields that hold other plugins' tables, which the core
      validates, records, checks and builds (``ModelParts.components``). Auxiliary losses are gathered
      from every module of a block, not only its ffn.
+     ``DataOptions.curriculum`` and its ``curriculum_*`` pacing, the older spelling of ``[order]``, are
+     refused naming it (``lmlab.api.data.MOVED_TO_ORDER``).
+     A model whose decoding needs more than the shared key/value store supplies its own engine
+     (``make_engine(rows, max_len, **settings)``, see ``LanguageModel``), which the core uses instead of
+     its own; ``lmlab.api.decoding.SharedCacheEngine`` (the core's engine, to subclass: ``forward_rows``,
+     ``free_rows``, ``history``, ``cache``, ``device``, ``model``) and ``engine_supports_rows``.
+     Checkpoint readers: ``Architecture.hf_model_types`` (config.json ``model_type`` → family name),
+     ``hf_tables``, ``hf_weight_files`` and ``hf_state`` read a Hugging Face folder for ``[init] from``
+     (the Llama and T5 readers of ``lmlab.interop`` moved to the ``decoder`` and ``encoder-decoder``
+     plugins).
+     ``Monitor.nonfinite_recovery``: a monitor's own options that keep a run going through non-finite
+     steps, which a non-finite diagnosis suggests adding (the first installed monitor declaring one).
+     ``Tracker.run_files``: what a tracker keeps in a run folder, removed with the run's own files when
+     the run starts over.
 """
 
 API_VERSION = "1.18"

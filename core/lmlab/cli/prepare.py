@@ -21,7 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", "-w", type=int, metavar="N",
                         help="processes that filter and tokenise, this one included (default: one per CPU)")
     parser.add_argument("--executor", choices=("local", "dask"), default="local",
-                        help="where the tasks run: local worker processes (default), or a Dask cluster")
+                        help="where the tasks run: local worker processes (default), or a Dask cluster (the "
+                             "lmlab[dask] extra)")
     parser.add_argument("--scheduler", metavar="ADDRESS",
                         help="with --executor dask: a running scheduler (tcp://host:8786); default: a local "
                              "cluster of --workers processes")
@@ -36,6 +37,10 @@ def main(args) -> int:
         raise UserError("a scheduler address needs --executor dask", key="--scheduler")
     if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise UserError(f"must be a positive number of MB, not {args.shard_mb}", key="--shard-mb")
+    if args.executor == "dask":
+        from lmlab.prepare.dask_pool import require_dask
+
+        require_dask()  # before the manifest is read and its data hashed
     variants = manifest.load(args.manifest, args.overrides)
 
     from lmlab.prepare import entry, pipeline

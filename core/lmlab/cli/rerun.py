@@ -28,7 +28,7 @@ def main(args) -> int:
     recorded_manifest = run_dir / "manifest.toml"
     if not recorded_manifest.is_file():
         raise UserError("is not a run folder (it has no manifest.toml)", key=str(run_dir))
-    (variant,) = manifest.load(recorded_manifest, args.overrides)  # resolved: one variant, no sweep
+    (variant,) = manifest.load(recorded_manifest, args.overrides, recorded=True)  # resolved: one variant, no sweep
     variant = dataclasses.replace(variant, name=run_dir.name)
     out = args.out or run_dir.resolve().parent.with_name(run_dir.resolve().parent.name + "-rerun")
 

@@ -238,8 +238,8 @@ def _summary(run, run_dir, records, before, after, loaded, calibration, calibrat
         "source": str(Path(run_dir).resolve()),
         "merged_peft": run.peft.name if run.peft is not None else None,
         "calibration": {**calibration_record, "windows": len(calibration.windows), "tokens": calibration.tokens},
-        "generation": {"prompts": measure.PROMPTS, "prompt_tokens": measure.PROMPT_TOKENS,
-                       "new_tokens": measure.NEW_TOKENS, "batch": 1, "decoder": run.plugins["decoding"].name},
+        "generation": dict(prompts=measure.PROMPTS, prompt_tokens=measure.PROMPT_TOKENS, new_tokens=measure.NEW_TOKENS,
+                           batch=1, decoder=run.plugins["decoding"].name),
         "plugins": plugins,
         "wall_s": time.perf_counter() - started,
     }

@@ -38,7 +38,7 @@ def validation_loss(model, objective, tokens, block_size: int, batch_size: int, 
     run's final evaluation computes it (``lmlab.train.module``)."""
     from lmlab.train.batches import FixedWindowBatches, FixedWindows
 
-    if getattr(objective, "sampling", "windows") != "windows":
+    if objective.sampling != "windows":
         raise UserError(f"objective {objective.name!r} samples padded documents; compress measures runs "
                         "evaluated on windows", key="objective.use")
     device = next(model.parameters()).device

@@ -23,7 +23,7 @@ def generate_ids(decoder, model, prompts: list[list[int]], max_new_tokens: int, 
     """What ``ObjectiveContext.generate`` does (an objective's rollouts): the new tokens of each prompt
     (any lengths) from ``decoder``, each cut after the first of ``stop_ids`` or at ``eos_id``, with the
     model in eval mode for the call."""
-    if getattr(decoder, "needs_runs", ()):
+    if decoder.needs_runs:
         raise ValueError(f"decoder {decoder.name!r} loads other runs, which an objective's rollouts do not provide")
     if not prompts:
         return []

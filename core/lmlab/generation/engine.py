@@ -15,7 +15,6 @@ import torch
 
 from lmlab.api.cache import InferenceCache
 from lmlab.generation.kv import ContiguousKV, PagedKV, Plan
-from lmlab.generation.seq2seq import EncoderRows
 
 CACHES = ("contiguous", "paged")
 
@@ -30,15 +29,14 @@ def supports_rows(model) -> bool:
 
 def make_engine(model, rows: int, max_len: int, cache: str = "contiguous", block_size: int = 16,
                 n_blocks: int | None = None, cuda_graph: bool = False, compile: bool = False):
-    """The engine for ``model``: :class:`Engine` when its plugins support shared caches, else :class:`RowEngine`."""
+    """The engine for ``model``: the model's own (``model.make_engine``, API 1.18) when it has one, else
+    :class:`Engine` when its plugins support shared caches, else :class:`RowEngine`."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-    if hasattr(model, "encode"):  # an encoder-decoder model
-        if not supports_rows(model):
-            raise ValueError("an encoder-decoder model decodes through the shared key/value cache, which its "
-                             "attention and position plugins must support (kv_layout, per_row)")
-        return Seq2SeqEngine(model, rows, max_len, cache=cache,
-                             block_size=block_size, n_blocks=n_blocks, cuda_graph=cuda_graph, compile=compile)
+    own = getattr(model, "make_engine", None)
+    if own is not None:  # decoding that needs more than the shared store
+        return own(rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks, cuda_graph=cuda_graph,
+                   compile=compile)
     if supports_rows(model):
         return Engine(model, rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks,
                       cuda_graph=cuda_graph, compile=compile)
@@ -55,7 +53,16 @@ class _Rows(InferenceCache):
 
 
 class Engine:
-    """Up to ``rows`` sequences of up to ``max_len`` tokens (capped at the model's context)."""
+    """Up to ``rows`` sequences of up to ``max_len`` tokens (capped at the model's context).
+
+    Plugins subclass it as ``lmlab.api.decoding.SharedCacheEngine`` (a model's own engine, API 1.18);
+    what a subclass may use and override: ``model``, ``device``, ``free_rows`` (rows not in use; ``add``
+    pops from it), ``history`` (each row's tokens fed so far), ``cache`` (what the model's forward
+    receives: a subclass may set attributes of its own on it around a pass) and ``forward_rows`` (one
+    forward pass of some rows, each from its own position; every pass goes through it). The one-token
+    static step (``cuda_graph``, ``compile``) knows only the shared store: a subclass whose model reads
+    more from ``cache`` turns both settings off before calling ``__init__``.
+    """
 
     def __init__(self, model, rows: int, max_len: int, cache: str = "contiguous", block_size: int = 16,
                  n_blocks: int | None = None, cuda_graph: bool = False, compile: bool = False):
@@ -103,7 +110,7 @@ class Engine:
             # keeps its last window - 1 tokens, room for the next one.
             keep = min(n, self.window - 1)
             tokens = torch.tensor([prompts[i][-keep:] for i in members], dtype=torch.long, device=self.device)
-            out = self._forward([rows[i] for i in members], tokens)
+            out = self.forward_rows([rows[i] for i in members], tokens)
             logits[members] = out[:, -1]
         for row, ids in zip(rows, prompts):
             self.history[row] = list(ids)
@@ -129,7 +136,7 @@ class Engine:
             for r, s in zip(rows, starts):
                 self.lengths[r] = s + 1
         else:
-            logits = self._forward(list(rows), tokens)
+            logits = self.forward_rows(list(rows), tokens)
         for row, new in zip(rows, tokens.tolist()):
             self.history[row].extend(new)
         return logits
@@ -187,11 +194,12 @@ class Engine:
             raise ValueError(f"{len(new)} tokens at once do not fit a window of {self.window}")
         self.store.free(row)
         self.lengths[row] = 0
-        out = self._forward([row], torch.tensor([keep], dtype=torch.long, device=self.device))
+        out = self.forward_rows([row], torch.tensor([keep], dtype=torch.long, device=self.device))
         self.history[row] = keep
         return out[0, -len(new):]
 
-    def _forward(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def forward_rows(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens (B, T) to ``rows`` (B), each after the tokens it holds; logits (B, T, V) float32."""
         B, T = tokens.shape
         starts = [self.lengths[r] for r in rows]
         span = max(starts) + T
@@ -223,10 +231,6 @@ class Engine:
         for r, s in zip(rows, starts):
             self.lengths[r] = s + T
         return logits.float()
-
-
-class Seq2SeqEngine(EncoderRows, Engine):
-    """The engine of an encoder-decoder model (see :mod:`lmlab.generation.seq2seq`)."""
 
 
 class _Row:

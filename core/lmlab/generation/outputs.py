@@ -9,6 +9,15 @@ one UTF-8 character split over tokens) streams exactly the final text.
 """
 
 from dataclasses import dataclass, field
+from enum import StrEnum, auto
+
+
+class Finish(StrEnum):
+    """Why a prompt's completion ended, spelt as OpenAI's ``finish_reason``: a member is that string,
+    so it goes into JSON and compares with it as it is."""
+
+    STOP = auto()  # the tokenizer's EOS or a stop string
+    LENGTH = auto()  # its most new tokens, or the end of the context
 
 
 @dataclass
@@ -16,7 +25,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the final text so far (cut at a stop string)
     sent: int = 0  # characters of text already streamed
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    finish_reason: Finish | None = None
     candidates: list[tuple[list[int], float]] = field(default_factory=list)
 
 
@@ -65,16 +74,16 @@ class Outputs:
             return
         for token in tokens:
             if self.eos_id is not None and token == self.eos_id:
-                c.finish_reason = "stop"
+                c.finish_reason = Finish.STOP
                 break
             c.tokens.append(token)
             if len(c.tokens) >= self.limits[i]:
-                c.finish_reason = "length"
+                c.finish_reason = Finish.LENGTH
                 break
         if self.stops[i]:
             c.text, stopped = self._cut(i, self._decode(c.tokens))
             if stopped:
-                c.finish_reason = "stop"
+                c.finish_reason = Finish.STOP
         elif c.finish_reason is not None:
             c.text = self._decode(c.tokens)
 
@@ -95,7 +104,7 @@ class Outputs:
         """The decoder stopped without a reason for prompt i (its limit, or the context): "length"."""
         c = self.completions[i]
         if c.finish_reason is None:
-            c.finish_reason = "length"
+            c.finish_reason = Finish.LENGTH
             c.text = self._cut(i, self._decode(c.tokens))[0] if self.stops[i] else self._decode(c.tokens)
 
     def _decode(self, tokens: list[int]) -> str:

@@ -15,7 +15,7 @@ def prepare_decoder(decoder, run) -> None:
     from lmlab.trained import load_run
 
     runs = {}
-    for name in getattr(decoder, "needs_runs", ()):
+    for name in decoder.needs_runs:
         path = getattr(decoder.options, name, None)
         key = f"decoding.{name}"
         if not path:

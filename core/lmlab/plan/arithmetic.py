@@ -11,7 +11,10 @@ from lmlab.errors import UserError
 STORAGE_DTYPE = {"32-true": "float32", "bf16-mixed": "float32", "16-mixed": "float32",
                  "bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
 AUTOCAST_DTYPE = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1}
+#: Bytes per element of the dtypes a layout or collective may name, by torch's names; integers of
+#: every width torch has, signed and unsigned (int8 ... uint64).
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+               **{f"{sign}int{bits}": bits // 8 for sign in ("", "u") for bits in (8, 16, 32, 64)}}
 
 #: Ring algorithms: the share of the full tensor each device sends.
 _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,

@@ -32,6 +32,16 @@ CONNECT_TIMEOUT_S = 10.0
 _workers: dict[str, Worker] = {}  # in a Dask worker process: the Worker of each set of filters
 
 
+def require_dask() -> None:
+    """Bad input (exit 2) when Dask's distributed scheduler cannot be imported: the Dask executor is
+    the optional extra ``lmlab[dask]``, so its absence is an install step, not a crash."""
+    try:
+        import distributed  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"the Dask executor is an optional extra, not installed here ({exc}); "
+                        'pip install "lmlab[dask]"', key="--executor") from None
+
+
 def _has_bokeh() -> bool:
     import importlib.util
 
@@ -50,6 +60,7 @@ class DaskWorkers:
     results in task order, with a bounded number of tasks in flight."""
 
     def __init__(self, n: int, filters: list[PluginSpec], scheduler: str | None = None, listener=None):
+        require_dask()
         self.n, self.filters, self.scheduler, self.listener = max(1, n), filters, scheduler, listener
         self.token = hashlib.sha256(pickle.dumps(filters)).hexdigest()[:16]
         self.executor = None  # the distributed.Client, once connected

@@ -312,7 +312,7 @@ def _check_window_fits(variant, train_bytes: int, val_bytes: int) -> None:
     and blame the tokenizer. No tokenizer makes more tokens than bytes, but for a document's
     specials (two allowed), so this refuses only what the run's own check would (lmlab.train.module)."""
     chosen = variant.slots.get("objective")
-    if chosen is not None and getattr(chosen.build(), "sampling", "windows") != "windows":
+    if chosen is not None and chosen.build().sampling != "windows":
         return
     block_size = variant.model.block_size
     path = getattr(variant.options("data"), "path", None)

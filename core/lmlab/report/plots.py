@@ -22,8 +22,8 @@ def figures(comparison: Comparison, runset: RunSet) -> dict:
 
     plt.rcParams.update({"figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3, "font.size": 9})
     colors = {row.variant: plt.cm.tab10(i % 10) for i, row in enumerate(comparison.rows)}
-    return {"curves": _curves(plt, comparison, runset, colors), "metric": _metric(plt, comparison, colors),
-            "throughput": _throughput(plt, comparison, runset, colors), "memory": _memory(plt, comparison, colors)}
+    return dict(curves=_curves(plt, comparison, runset, colors), metric=_metric(plt, comparison, colors),
+                throughput=_throughput(plt, comparison, runset, colors), memory=_memory(plt, comparison, colors))
 
 
 def _curves(plt, c: Comparison, runset: RunSet, colors):

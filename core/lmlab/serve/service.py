@@ -64,7 +64,7 @@ class Service:
         run = load_run(Path(run_dir), list(overrides))
         refuse_bidirectional(run.objective)
         data = run.plugins.get("data")
-        template = data.chat_template() if data is not None and hasattr(data, "chat_template") else None
+        template = data.chat_template() if data is not None else None
         decoder = servable(run.plugins["decoding"])
         settings.update(engine_settings(decoder.options, overrides, settings.get("cache")))
         prepare_decoder(decoder, run)

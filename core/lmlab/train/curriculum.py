@@ -27,9 +27,8 @@ class Schedule:
 
 
 def order_key(variant) -> str:
-    """The manifest key a data-order error names: the deprecated ``data.curriculum`` when the
-    manifest orders its data that way, else ``order.use``."""
-    return "data.curriculum" if getattr(variant.options("data"), "curriculum", "none") != "none" else "order.use"
+    """The manifest key a data-order error names: ``[order]`` is the one spelling of a data order."""
+    return "order.use"
 
 
 def build(order, tokens, objective, starts: np.ndarray, ends: np.ndarray, keep: np.ndarray,

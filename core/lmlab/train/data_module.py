@@ -60,7 +60,7 @@ class TokenDataModule(L.LightningDataModule):
         self.grad_accum = grad_accum
         self.full_validation = False
         self.rich = objective is not None and objective.wants_windows()
-        self.sampling = getattr(objective, "sampling", "windows")
+        self.sampling = objective.sampling if objective is not None else "windows"
         if self.sampling not in ("windows", "documents"):
             raise ValueError(f"objective {objective.name!r}: sampling must be 'windows' or 'documents', "
                              f"not {self.sampling!r}")
@@ -71,7 +71,7 @@ class TokenDataModule(L.LightningDataModule):
             check_windows_fit(tokens, block_size)
         # split → (documents too long for a row, non-empty documents), where the objective drops those.
         self.too_long = (count_too_long(tokens, block_size)
-                         if self.sampling == "documents" and getattr(objective, "drops_truncated", False) else {})
+                         if self.sampling == "documents" and objective.drops_truncated else {})
         self.labels = {split: objective.token_labels(tokens.split(split)) if self.rich else None
                        for split in ("train", "val")}
         self.curriculum, self.train_documents, self.weights = None, None, None

@@ -35,7 +35,7 @@ class LMModule(L.LightningModule):
         if getattr(train_cfg, "train_only", None) == "exit_heads":
             train_exit_heads_only(model, peft)
         # A pipeline schedule runs forward and backward itself (Parallel.forward_backward).
-        self._plugin_steps = bool(getattr(parallel, "runs_forward_backward", False))
+        self._plugin_steps = parallel is not None and parallel.runs_forward_backward
         self._pending = None  # the batch whose forward and backward wait for backward()
         self._parallelised = False
         # The training step runs the compiled model; evaluation and decoding run the eager one (their
@@ -46,7 +46,7 @@ class LMModule(L.LightningModule):
         # Dispatched once: an objective that asks for Windows (labels, padding, randomness) gets them;
         # others get the plain (B, T+1) tensors, with nothing added per step.
         # Only an objective that can leave a whole batch unscored pays for counting what each scored.
-        self._counts_scored = bool(getattr(objective, "drops_truncated", False))
+        self._counts_scored = objective is not None and objective.drops_truncated
         self.make_batch = (None if objective is None else
                            objective.make_batch_from if objective.wants_windows() else objective.make_batch)
         self.optimizer_plugin = optimizer

@@ -34,13 +34,13 @@ def replay_corpus(variant, objective):
     if source is None:
         raise UserError("replays the [init] run's training corpus, and this run has no [init] from = <run>",
                         key="data.replay")
-    if not getattr(objective, "causal", True):
+    if not objective.causal:
         raise UserError(f"replayed rows are plain text for next-token prediction; objective {objective.name!r} "
                         "is not causal", key="data.replay")
     if source.kind != pretrained.RUN:
         raise UserError(f"needs an lmlab run as [init] (its prepared corpus is what is replayed); "
                         f"{source.path} is a {source.kind} folder", key="data.replay")
-    (init_variant,) = manifest.load(source.folder / "manifest.toml")
+    (init_variant,) = manifest.load(source.folder / "manifest.toml", recorded=True)
     return token_cache.load_tokens(init_variant).train
 
 

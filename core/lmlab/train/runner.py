@@ -115,7 +115,7 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     # tokens may grow it past the tokenizer's: mlm's [MASK]), the shape and the freshly initialised model.
     built = assemble(variant, data=True, plugins=dict(checked.plugins))
     plugins, tokens, shape, model = built.plugins, built.tokens, built.shape, built.model
-    if getattr(plugins["objective"], "sampling", "windows") == "windows":
+    if plugins["objective"].sampling == "windows":
         check_windows_fit(tokens, shape.block_size)
     # The newest readable checkpoint (a damaged last.ckpt falls back to best.ckpt, with a warning).
     ckpt_path = checkpoint.resume_point(run_dir) if resume else None
@@ -134,7 +134,7 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     companions = objective_runs.prepare(variant, plugins["objective"], tokens.tokenizer, plugins.get("decoding"))
 
     resolved = {**variant.manifest, "model": {**variant.manifest["model"], "vocab_size": shape.vocab_size}}
-    if getattr(plugins["objective"], "needs_runs", ()):
+    if plugins["objective"].needs_runs:
         resolved["objective"] = {**variant.manifest["objective"],
                                  **objective_runs.resolved(variant, plugins["objective"])}
     resume_step = checkpoint.step_of(ckpt_path) if ckpt_path else None

@@ -6,7 +6,8 @@ resolved manifest is skipped, an interrupted or failed one resumes from its last
 over when it never wrote one), and a folder holding a run of a *different* manifest is refused rather
 than mixed into it. ``--jobs N`` runs N variants as child processes of this one, each an ordinary
 ``lmlab run --only VARIANT`` with its share of the CPU threads and its output in the variant's
-``output.log``; the parent only launches, waits and reports. Nothing here imports torch.
+``output.log``; the parent only launches, waits and reports. Nothing here imports torch, except
+through the tracker plugins that clearing a run's folder loads.
 """
 
 import contextlib
@@ -29,8 +30,8 @@ from lmlab.rundir import load_summary, write_json
 NOT_TRAINING = ("description", "tracker.", "decoding.", "train.sample_", "train.threads")
 #: [train] keys whose default stands for a value resolution computes (lmlab.validate).
 FILLED_IN = ("train.min_lr", "train.decay_steps", "train.eval_batch_size")
-#: A run's own files in its folder, removed when it starts over.
-RUN_FILES = ("checkpoints", "wandb", "metrics.jsonl", "summary.json", "error.log", "provenance.json")
+#: A run's own files in its folder, removed when it starts over (with those its trackers declare).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "error.log", "provenance.json")
 
 
 @dataclass
@@ -128,28 +129,27 @@ def remove_orphans(run_dir: Path) -> None:
 
 def _same_manifest(variant, run_dir: Path) -> None:
     from lmlab.tables import read_toml
+    from lmlab.upgrade import upgrade_recorded
     from lmlab.variant import flatten
 
+    # A run recorded by an older lmlab is compared in today's terms (lmlab.upgrade).
     current = flatten(variant.manifest)
     recorded = run_dir / "provenance.json"
     try:
         # The resolved manifest as JSON keeps options whose value is None, which TOML cannot hold.
-        stored = flatten(json.loads(recorded.read_text(encoding="utf-8"))["manifest"])
+        stored = flatten(upgrade_recorded(json.loads(recorded.read_text(encoding="utf-8"))["manifest"]))
         # A key it lacks is an option that did not exist when the run was made (every option is
         # resolved): the run used what is now that option's default, so it does not count.
         keys = set(stored)
     except (OSError, KeyError, TypeError, AttributeError, ValueError):  # missing, damaged, not UTF-8
         if not (run_dir / "manifest.toml").is_file():
             return  # killed before it wrote one: nothing to disagree with
-        stored = flatten(read_toml(run_dir / "manifest.toml"))
+        stored = flatten(upgrade_recorded(read_toml(run_dir / "manifest.toml")))
         current = {k: v for k, v in current.items() if v is not None}
         keys = set(stored) | set(current)
     keys.discard("model.vocab_size")  # filled in from the tokenizer when the run started
     # Runs from before these defaults were written into the manifest recorded None: the same values.
     keys -= {k for k in FILLED_IN if stored.get(k) is None}
-    if stored.get("data.curriculum", "none") == current.get("data.curriculum", "none") == "none":
-        # Pacing that no curriculum reads (its defaults changed: curriculum_steps was 1000) trains nothing.
-        keys = {k for k in keys if not k.startswith("data.curriculum_")}
     differing = sorted(k for k in keys if stored.get(k) != current.get(k) and not k.startswith(NOT_TRAINING))
     if differing:
         shown = ", ".join(f"{k}: {stored.get(k)!r} there, {current.get(k)!r} now" for k in differing[:3])
@@ -160,13 +160,29 @@ def _same_manifest(variant, run_dir: Path) -> None:
 
 def clear(run_dir: Path) -> None:
     """Remove a run's own files from its folder (an attempt that left no checkpoint, or --overwrite),
-    so that neither its metrics nor its W&B run are mixed into the new one."""
-    for name in RUN_FILES:
+    so that neither its metrics nor its tracker's remote run are mixed into the new one."""
+    for name in (*RUN_FILES, *tracker_files()):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def tracker_files() -> list[str]:
+    """The [run_files][lmlab.api.tracker.Tracker.run_files] of every installed tracker: the earlier
+    attempt may have used a tracker this variant does not."""
+    from lmlab import discovery
+
+    names = []
+    for name in sorted({info.name for info in discovery.installed().get("tracker", [])}):
+        try:
+            declared = discovery.load("tracker", name, key="tracker.use").run_files
+        except Exception:  # noqa: BLE001 - a tracker that cannot load here wrote nothing to remove
+            continue
+        # Only names inside the run's folder: a path from a plugin must not reach anything else.
+        names.extend(n for n in declared if isinstance(n, str) and n and n != ".." and Path(n).name == n)
+    return names
 
 
 def write_index(out: Path, manifest_path: str, overrides: list[str], variants: list) -> None:

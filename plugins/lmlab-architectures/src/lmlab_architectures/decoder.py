@@ -5,12 +5,16 @@ A layer pattern names, layer by layer, which mixer each block gets: ``layers = "
 ``[architecture.mixers.M] use = "mamba"`` and ``[architecture.mixers.A] use = "gqa"`` gives a
 Jamba-style stack, three Mamba layers to each attention layer, repeated to ``model.n_layers``.
 Without a pattern every layer's mixer is the ``[attention]`` slot's (today's model, unchanged).
+
+It reads Hugging Face Llama checkpoints for ``[init] from`` (:mod:`lmlab_architectures.hf_llama`).
 """
 
 from typing import Any
 
 from lmlab.api import Architecture, CheckContext, Field, ModelParts, Options, UserError
 from lmlab.api.architecture import Block, Stack
+from lmlab_architectures import hf_llama
+from lmlab_architectures.hf_files import ReadsHF
 
 
 class DecoderOptions(Options):
@@ -23,7 +27,7 @@ class DecoderOptions(Options):
                  "[architecture.mixers.<label>]")
 
 
-class Decoder(Architecture):
+class Decoder(ReadsHF, Architecture):
     """Decoder-only transformer (GPT; encoder-only under a bidirectional objective): pre-norm blocks, x +
     mixer(norm x), then x + ffn(norm x); a layer pattern of mixers makes hybrids."""
 
@@ -33,6 +37,8 @@ class Decoder(Architecture):
     components = {"mixers": "attention"}
     #: The block class every layer gets (a subclass of the API's Block wires it another way).
     block: type = Block
+    hf_model_types = {hf_llama.MODEL_TYPE: "Llama"}
+    hf_reader = hf_llama
 
     def check(self, context: CheckContext) -> None:
         pattern(self.options, context.shape.n_layers)

@@ -9,6 +9,8 @@ decoder-only model's names (``tok_emb``, ``position``, ``blocks``, ``norm_f``, `
 generation engine, which reads ``model.blocks`` and ``model.position``, decodes its self-attention
 as it does a GPT's; the encoder's parts are ``enc_emb``, ``enc_position``, ``enc_blocks`` and
 ``enc_norm``.
+
+It reads Hugging Face T5 checkpoints for ``[init] from`` (:mod:`lmlab_architectures.hf_t5`).
 """
 
 import dataclasses
@@ -19,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lmlab.api import Architecture, Field, MixerContext, ModelParts, ModelShape, Options, UserError
 from lmlab.api.architecture import CHECKPOINTING, Block, build_norm, num_params, param_infos
+from lmlab_architectures import hf_t5
+from lmlab_architectures.hf_files import ReadsHF
 
 
 class DecoderBlock(nn.Module):
@@ -190,8 +194,15 @@ class EncoderDecoderModel(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     def new_cache(self, batch_size: int, max_len: int):
-        raise ValueError("an encoder-decoder model decodes through the generation engine "
-                         "(lmlab.generation.seq2seq), which runs the encoder once per prompt")
+        raise ValueError("an encoder-decoder model decodes through its own generation engine "
+                         "(make_engine), which runs the encoder once per prompt")
+
+    def make_engine(self, rows: int, max_len: int, **settings):
+        """The generation engine (``LanguageModel``'s ``make_engine``, API 1.18): the shared key/value
+        store for the decoder, and each row's encoder output computed once."""
+        from lmlab_architectures.seq2seq_engine import seq2seq_engine  # generation code, not needed to train
+
+        return seq2seq_engine(self, rows, max_len, **settings)
 
     def param_infos(self):
         return param_infos(self)
@@ -219,12 +230,14 @@ class EncoderDecoderOptions(Options):
                          "for a T5 checkpoint)")
 
 
-class EncoderDecoder(Architecture):
+class EncoderDecoder(ReadsHF, Architecture):
     """Encoder–decoder (T5, BART): a bidirectional encoder and a causal decoder that cross-attends to it."""
 
     api = ">=1.18,<2"  # Architecture
     Options = EncoderDecoderOptions
     families = ("encoder-decoder",)
+    hf_model_types = {hf_t5.MODEL_TYPE: "T5"}
+    hf_reader = hf_t5
 
     def decoder_start_id(self, eos_id: int | None) -> int | None:
         own = self.options.decoder_start_id

@@ -55,3 +55,4 @@ class ParallelDecoder(Decoder):
     """Decoder-only transformer with parallel blocks (GPT-J, PaLM): x + mixer(norm x) + ffn(norm x)."""
 
     block = ParallelBlock
+    hf_model_types = {}  # a Llama is read by `decoder`: its blocks are sequential

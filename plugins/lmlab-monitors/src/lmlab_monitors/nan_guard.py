@@ -38,7 +38,7 @@ class NanGuard(Monitor):
     """Stops, or skips and rolls back, at the first non-finite loss or gradient, naming the module."""
 
     Options = NanGuardOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor
+    api = ">=1.7,<2"  # lmlab.api.monitor; nonfinite_recovery (1.18) where there
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -46,6 +46,10 @@ class NanGuard(Monitor):
         self.in_a_row = 0
         self.rollbacks = 0
         self.first: dict | None = None  # the first bad step: {"step", "module"}
+
+    @classmethod
+    def nonfinite_recovery(cls):
+        return "skip non-finite steps and roll back after repeated ones instead of failing", {"action": "skip"}
 
     def check(self, context) -> None:
         o = self.options

@@ -42,7 +42,8 @@ class WandbTracker(Tracker):
     """One W&B run per variant; several runs in one process are kept apart."""
 
     Options = WandbOptions
-    api = ">=1.2,<2"  # RunInfo.variant and .environment, closing_note
+    api = ">=1.2,<2"  # RunInfo.variant and .environment, closing_note; run_files (1.18) where there
+    run_files = ("wandb",)  # wandb.init(dir=run_dir) and the run id file
 
     def __init__(self, options: WandbOptions | None = None):
         super().__init__(options)

@@ -1,15 +1,16 @@
-"""Hugging Face T5 ↔ lmlab.
+"""Hugging Face T5 → lmlab: the checkpoints the ``encoder-decoder`` architecture reads (model_type "t5").
 
 The original T5 (Raffel et al. 2020; ``feed_forward_proj = "relu"``) is an lmlab encoder–decoder
 model (``[architecture] use = "encoder-decoder"``, the plugin of lmlab-architectures) with RMSNorm
 (T5LayerNorm: no mean, no bias), the `t5` position plugin (one relative-bias table per stack, held by
 T5's first block and shared by every layer), `mha` attention in both stacks and for cross-attention,
 and the `mlp` ffn with ReLU; no biases anywhere, one embedding shared by the encoder and the decoder.
-Nothing here imports a plugin: the model is assembled through discovery like any manifest's.
+Nothing here imports a plugin: the model is assembled from the tables like any manifest's.
 
     from transformers import T5ForConditionalGeneration
+    from lmlab import pretrained
     hf = T5ForConditionalGeneration.from_pretrained(...)
-    model = from_hf(hf)                   # an lmlab EncoderDecoderModel with the same function
+    model = from_hf(hf, pretrained.build)   # an lmlab EncoderDecoderModel with the same function
     tables = manifest_tables(hf.config)   # the [model]/[architecture]/[position]/[attention]/[ffn] tables
 
 Two differences of computation are folded into the weights when converting, so the converted model
@@ -30,20 +31,20 @@ T5 has no learned positions, so no weight depends on the context length: the tab
 change freely.
 
 A checkpoint folder on disk (``save_pretrained``: config.json and safetensors) is read without
-transformers: ``read_config(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
-a run from one (``lmlab.pretrained``).
+transformers: ``folder_tables(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
+a run from one (``EncoderDecoder.hf_tables`` / ``hf_state``).
 """
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from lmlab import discovery
-from lmlab.interop.llama import SAFETENSORS, SAFETENSORS_INDEX, weight_files  # noqa: F401 (same file layout)
-from lmlab.model import build_model, shape_of
+from lmlab_architectures import hf_files
+from lmlab_architectures.hf_files import SAFETENSORS, SAFETENSORS_INDEX, weight_files  # noqa: F401 (the folder's files)
+
+MODEL_TYPE = "t5"
 
 #: ``model.block_size`` of a T5's tables: 512 tokens, T5's pre-training input length. Relative
 #: position buckets cover every distance, so any other value loads the same weights.
@@ -99,21 +100,6 @@ def folder_tables(folder) -> dict:
     """The manifest tables of a Hugging Face T5 folder: its config's, and its ``tokenizer.json`` read by
     the ``hf`` tokenizer plugin."""
     return {**manifest_tables(read_config(folder)), "tokenizer": {"use": "hf", "path": str(folder)}}
-
-
-def build(tables: dict):
-    """An (untrained) lmlab encoder–decoder model from the tables of `manifest_tables`, built as every
-    run's model is (:func:`lmlab.model.build_model`; ``[architecture] use`` says encoder-decoder, and its
-    ``decoder_start_id`` where the decoder starts)."""
-    from lmlab.config import ModelOptions
-
-    model = ModelOptions(**tables["model"])
-    plugins = {}
-    for slot in ("architecture", "position", "attention", "ffn"):
-        cls = discovery.load(slot, tables[slot]["use"])
-        plugins[slot] = cls(cls.Options(**{k: v for k, v in tables[slot].items() if k != "use"}))
-    return build_model(model, shape_of(model, model.vocab_size), plugins,
-                       plugins["architecture"].decoder_start_id(None))
 
 
 def weight_map(config, untied_head: bool = False) -> list[tuple[str, str, float]]:
@@ -172,8 +158,10 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config) -> dict[str, t
     return out
 
 
-def from_hf(hf_model):
-    """An lmlab encoder–decoder model computing what a transformers T5ForConditionalGeneration does."""
+def from_hf(hf_model, build):
+    """An lmlab encoder–decoder model computing what a transformers T5ForConditionalGeneration does.
+    ``build`` makes the model from manifest tables (``lmlab.pretrained.build``, the core's: a plugin
+    assembles no other plugins itself)."""
     tables = manifest_tables(hf_model.config)
     model = build(tables)
     model.load_state_dict(state_dict_from_hf(hf_model.state_dict(), hf_model.config))  # copies the values
@@ -191,11 +179,7 @@ CONFIG_DEFAULTS = {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048
 
 def read_config(folder: Path) -> SimpleNamespace:
     """A T5 config.json as the attributes `manifest_tables` reads (ValueError for another family)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    kind = config.get("model_type")
-    if kind != "t5":
-        raise ValueError(f"config.json has model_type {kind!r}; this reader takes T5 checkpoints (model_type \"t5\")")
-    values = {**CONFIG_DEFAULTS, **config}
+    values = hf_files.read_config(folder, MODEL_TYPE, "T5", CONFIG_DEFAULTS)
     values["num_decoder_layers"] = values["num_decoder_layers"] or values["num_layers"]
     values["scale_decoder_outputs"] = scales_decoder_output(SimpleNamespace(**values))
     return SimpleNamespace(**values)
@@ -203,9 +187,4 @@ def read_config(folder: Path) -> SimpleNamespace:
 
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
     """The state dict of a T5ForConditionalGeneration folder in lmlab's names (`state_dict_from_hf`)."""
-    from safetensors.torch import load_file
-
-    hf_state = {}
-    for path in weight_files(folder):
-        hf_state.update(load_file(path, device="cpu"))
-    return state_dict_from_hf(hf_state, read_config(folder))
+    return state_dict_from_hf(hf_files.read_weights(folder), read_config(folder))

@@ -1,28 +1,30 @@
-"""Hugging Face Llama ↔ lmlab.
+"""Hugging Face Llama → lmlab: the checkpoints the ``decoder`` architecture reads (model_type "llama").
 
-A Llama is an lmlab model with RMSNorm, `rope` positions, `gqa` attention, a `swiglu` ffn and an
-untied head. The names below are manifest values and the parameter names those first-party
-plugins document (attention `q_proj`/`k_proj`/`v_proj`/`out_proj`, ffn `gate_proj`/`up_proj`/`down_proj`); nothing
-here imports a plugin: the model is assembled through discovery like any manifest's.
+A Llama is a decoder-only lmlab model with RMSNorm, `rope` positions, `gqa` attention, a `swiglu` ffn
+and an untied head. The names below are manifest values and the parameter names those first-party
+plugins document (attention `q_proj`/`k_proj`/`v_proj`/`out_proj`, ffn `gate_proj`/`up_proj`/`down_proj`);
+nothing here imports a plugin: the model is assembled from the tables like any manifest's.
 
     from transformers import LlamaForCausalLM
+    from lmlab import pretrained
     hf = LlamaForCausalLM.from_pretrained(...)
-    model = from_hf(hf)             # an lmlab LanguageModel with the same weights
-    tables = manifest_tables(hf.config)   # the [model]/[architecture]/[position]/[attention]/[ffn] tables
+    model = from_hf(hf, pretrained.build)    # an lmlab model with the same weights
+    tables = manifest_tables(hf.config)      # the [model]/[architecture]/[position]/[attention]/[ffn] tables
 
 A checkpoint folder on disk (``save_pretrained``: config.json and safetensors) is read without
-transformers: ``read_config(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
-a run from one (``lmlab.pretrained``).
+transformers: ``folder_tables(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
+a run from one (``Decoder.hf_tables`` / ``hf_state``).
 """
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from lmlab import discovery
-from lmlab.model import LanguageModel, build_model, shape_of
+from lmlab_architectures import hf_files
+from lmlab_architectures.hf_files import SAFETENSORS, SAFETENSORS_INDEX, weight_files  # noqa: F401 (the folder's files)
+
+MODEL_TYPE = "llama"
 
 
 def manifest_tables(config) -> dict:
@@ -57,21 +59,6 @@ def folder_tables(folder) -> dict:
     return {**manifest_tables(read_config(folder)), "tokenizer": {"use": "hf", "path": str(folder)}}
 
 
-def build(tables: dict) -> LanguageModel:
-    """An (untrained) lmlab model from the tables of `manifest_tables`, built as every run's model is
-    (:func:`lmlab.model.build_model`)."""
-    from lmlab.config import ModelOptions
-
-    model = ModelOptions(**tables["model"])
-    plugins = {}
-    for slot in ("architecture", "position", "attention", "ffn"):
-        if slot == "architecture" and slot not in tables:  # tables older than API 1.18: build_model's default
-            continue
-        cls = discovery.load(slot, tables[slot]["use"])
-        plugins[slot] = cls(cls.Options(**{k: v for k, v in tables[slot].items() if k != "use"}))
-    return build_model(model, shape_of(model, model.vocab_size), plugins)
-
-
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
     """Rename a LlamaForCausalLM state dict into lmlab's names."""
     out = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"],
@@ -89,8 +76,10 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], n_layers: int) -> dict
     return out
 
 
-def from_hf(hf_model) -> LanguageModel:
-    """An lmlab model holding the weights of a transformers LlamaForCausalLM."""
+def from_hf(hf_model, build):
+    """An lmlab model holding the weights of a transformers LlamaForCausalLM. ``build`` makes the
+    model from manifest tables (``lmlab.pretrained.build``, the core's: a plugin assembles no other
+    plugins itself)."""
     tables = manifest_tables(hf_model.config)
     model = build(tables)
     state = state_dict_from_hf(hf_model.state_dict(), tables["model"]["n_layers"])
@@ -107,17 +96,11 @@ CONFIG_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size"
                    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                    "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
                    "head_dim": None}
-SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def read_config(folder: Path) -> SimpleNamespace:
     """A Llama config.json as the attributes `manifest_tables` reads (ValueError for another family)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    kind = config.get("model_type")
-    if kind != "llama":
-        raise ValueError(f"config.json has model_type {kind!r}; lmlab reads Llama-family checkpoints "
-                         "(model_type \"llama\")")
-    values = {**CONFIG_DEFAULTS, **config}
+    values = hf_files.read_config(folder, MODEL_TYPE, "Llama-family", CONFIG_DEFAULTS)
     values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
     if not values.get("rope_parameters"):  # transformers < 5: rope_theta and rope_scaling apart
         scaling = values["rope_scaling"] or {}
@@ -126,20 +109,6 @@ def read_config(folder: Path) -> SimpleNamespace:
     return SimpleNamespace(**values)
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder: one, or the shards its index names, in order."""
-    folder = Path(folder)
-    if (folder / SAFETENSORS_INDEX).is_file():
-        weight_map = json.loads((folder / SAFETENSORS_INDEX).read_text())["weight_map"]
-        return [folder / name for name in dict.fromkeys(sorted(weight_map.values()))]
-    return [folder / SAFETENSORS]
-
-
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
     """The state dict of a LlamaForCausalLM folder in lmlab's names (`state_dict_from_hf`)."""
-    from safetensors.torch import load_file
-
-    hf_state = {}
-    for path in weight_files(folder):
-        hf_state.update(load_file(path, device="cpu"))
-    return state_dict_from_hf(hf_state, read_config(folder).num_hidden_layers)
+    return state_dict_from_hf(hf_files.read_weights(folder), read_config(folder).num_hidden_layers)

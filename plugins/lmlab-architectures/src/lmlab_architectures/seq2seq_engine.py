@@ -1,9 +1,9 @@
-"""What the engine of an encoder–decoder model adds: each prompt goes through the encoder once, and the
-decoder generates from the model's decoder start id (``lmlab.api.Engine``, so every decoding plugin
-works). ``lmlab.generation.engine.Seq2SeqEngine`` mixes it into the engine.
+"""The engine of an encoder–decoder model (``EncoderDecoderModel.make_engine``): each prompt goes through
+the encoder once, and the decoder generates from the model's decoder start id (``lmlab.api.Engine``, so
+every decoding plugin works).
 
-The decoder's self-attention uses the shared key/value store of :class:`lmlab.generation.engine.Engine`
-unchanged. Beside it, each row keeps its cross-attention keys and values, one pair per decoder layer
+The decoder's self-attention uses the core's shared key/value store (``SharedCacheEngine``) unchanged.
+Beside it, each row keeps its cross-attention keys and values, one pair per decoder layer
 (``CrossAttentionModule.memory_kv`` of the encoder's output, computed when the row is added), and the
 padding of its prompt; a forward pass hands the rows it feeds their slices of those. Forking or
 assigning a row (beam search) copies them with the self-attention cache.
@@ -11,10 +11,20 @@ assigning a row (beam search) copies them with the self-attention cache.
 
 import torch
 
+from lmlab.api.decoding import SharedCacheEngine, engine_supports_rows
+
+
+def seq2seq_engine(model, rows: int, max_len: int, **settings) -> "Seq2SeqEngine":
+    """The engine for up to ``rows`` prompts of ``model`` and their continuations of up to ``max_len`` tokens."""
+    if not engine_supports_rows(model):
+        raise ValueError("an encoder-decoder model decodes through the shared key/value cache, which its "
+                         "attention and position plugins must support (kv_layout, per_row)")
+    return Seq2SeqEngine(model, rows, max_len, **settings)
+
 
 class EncoderRows:
     """Engine methods for up to ``rows`` prompts read by the encoder, and their continuations of up to
-    ``max_len`` tokens; mixed in before :class:`lmlab.generation.engine.Engine`."""
+    ``max_len`` tokens; mixed in before ``SharedCacheEngine``."""
 
     def __init__(self, model, rows: int, max_len: int, **settings):
         settings["cuda_graph"] = settings["compile"] = False  # the static step knows no cross-attention
@@ -53,7 +63,7 @@ class EncoderRows:
         for row, n in zip(rows, (len(r) for r in kept)):
             self.prompt_lengths[row] = n
         start = torch.full((len(rows), 1), self.start_id, dtype=torch.long, device=self.device)
-        logits = self._forward(rows, start)[:, -1]
+        logits = self.forward_rows(rows, start)[:, -1]
         for row in rows:
             self.history[row] = [self.start_id]
         return rows, logits
@@ -95,7 +105,7 @@ class EncoderRows:
             self.keys[i] = torch.cat([k, k.new_zeros(rows, k.shape[1], S - have, k.shape[3])], dim=2)
             self.values[i] = torch.cat([v, v.new_zeros(rows, v.shape[1], S - have, v.shape[3])], dim=2)
 
-    def _forward(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def forward_rows(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         # The rows' encoder keys and values, cut to the longest of their prompts.
         lengths = [self.prompt_lengths[r] for r in rows]
         S = max(lengths)
@@ -105,6 +115,10 @@ class EncoderRows:
         # Whether any row is padded is known on the host: no device sync per step.
         self.cache.memory_padding = self.memory_padding[index, :S] if min(lengths) < S else None
         try:
-            return super()._forward(rows, tokens)
+            return super().forward_rows(rows, tokens)
         finally:
             self.cache.cross = self.cache.memory_padding = None
+
+
+class Seq2SeqEngine(EncoderRows, SharedCacheEngine):
+    """The engine of an encoder–decoder model: the core's shared-cache engine with the encoder's rows."""

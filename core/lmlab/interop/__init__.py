@@ -1,1 +1,0 @@
-"""Weight conversion between lmlab models and other libraries' checkpoints."""
