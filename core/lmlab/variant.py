@@ -20,7 +20,6 @@ from lmlab.slots import MANY_SLOTS, SLOTS
 
 if TYPE_CHECKING:  # the types only: resolution imports them anyway, and importing a Variant should not
     from lmlab.config import InitOptions, ModelOptions, ResolvedOptions, TrainOptions
-    from lmlab.pretrained import Source
 
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
 
@@ -79,7 +78,8 @@ class Variant:
     resolved: "ResolvedOptions | None" = None  # what grad_clip = "auto" and lr_scaling give
     base_dir: Path = Path(".")  # the manifest's folder: relative paths resolved against it
     init: "InitOptions | None" = None  # a fine-tune's [init], or None
-    init_source: "Source | None" = None  # where init.from was found (located once)
+    init_source: Any = None  # lmlab.pretrained.Source: where init.from was found (located once; pretrained
+    # builds models, which read variants: naming its type here would close an import cycle)
     sweep: Mapping[str, Any] = field(default_factory=dict)  # this point's [sweep] settings
     notes: tuple[str, ...] = ()  # what resolution changed that the user should know
     peer_keys: tuple[str, ...] = ()  # dotted keys of every variant of the same manifest (for trackers)
