@@ -51,14 +51,6 @@ class Choice:
                                        for f, chosen in self.components.items()}
         return built
 
-    def nested(self):
-        """(dotted key below the slot, choice) of every plugin this one is composed of, depth first."""
-        for f, chosen in self.components.items():
-            for label, choice in chosen.items():
-                yield f"{f}.{label}", choice
-                for key, inner in choice.nested():
-                    yield f"{f}.{label}.{key}", inner
-
     def table(self) -> dict:
         """The options as the manifest records them (JSON values, every default filled)."""
         return self.options.model_dump(mode="json")
