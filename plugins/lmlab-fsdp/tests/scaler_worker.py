@@ -38,6 +38,10 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             outcome.append({"stepped": not torch.equal(before, model.weight.full_tensor()),
                             "scale": scaler.get_scale()})
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(outcome))
+        # Without it a loaded machine can let one rank tear gloo down while the other is still
+        # reading the last all-gather's tail, and that rank aborts ("terminate called without an
+        # active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
