@@ -1,7 +1,7 @@
-"""Early exit's quality/speed trade-off on a run trained with exit heads (``model.exit_layers``).
+"""Early exit's quality/speed trade-off on a run trained with exit heads (``architecture.exit_layers``).
 
-For each threshold (``decoding.exit_threshold``; 1.0 never exits, so it is the full model through
-the same loop) over one run, e.g. ``lmlab run experiments/early_exit.toml``:
+For each threshold (``architecture.exit_threshold``; 1.0 never exits, so it is the full model through
+the same engine) over one run, e.g. ``lmlab run experiments/early_exit.toml``:
 
 - **exit (decode)**: the average exit layer (blocks run per token; the full model's is n_layers) of
   greedy decoding, ``--prompts`` prompts of the corpus one at a time, ``--new`` tokens each;
@@ -35,25 +35,31 @@ ROOT = Path(__file__).resolve().parent.parent
 THRESHOLDS = (1.0, 0.99, 0.95, 0.9, 0.8, 0.6)
 
 
-def greedy(threshold: float | None):
-    from lmlab import discovery
-
-    cls = discovery.load("decoding", "greedy")
-    return cls(cls.Options(exit_threshold=threshold)) if threshold is not None else cls()
-
-
+@torch.inference_mode()
 def decode(run, threshold: float | None, prompt: str, new: int):
-    """One prompt alone: (seconds, its new tokens, the sum of their exit layers or None)."""
-    from lmlab.generation.batch import generate_texts
+    """One prompt alone, greedy: (seconds, its new tokens, the sum of their exit layers or None)."""
+    from lmlab import discovery
+    from lmlab.generation.engine import make_engine
+    from lmlab.generation.outputs import Outputs
+    from lmlab.generation.token_ids import run_decoder
+    from lmlab_architectures.early_exit import EarlyExitEngine
 
-    result = generate_texts(run.model, run.tokenizer, greedy(threshold), [prompt], new)
-    return result.seconds, result.outputs.completions[0].tokens, (result.exits.layers if result.exits else None)
+    ids = list(run.tokenizer.encode(prompt))
+    run.model.eval()
+    started = time.perf_counter()
+    engine = make_engine(run.model, 1, len(ids) + new) if threshold is None else \
+        EarlyExitEngine(run.model, 1, len(ids) + new, threshold)
+    outputs = Outputs(run.tokenizer, [new], eos_id=run.tokenizer.eos_id)
+    for _ in run_decoder(discovery.load("decoding", "greedy")(), engine, [ids], outputs):
+        pass
+    seconds = time.perf_counter() - started
+    return seconds, outputs.completions[0].tokens, (engine.stats.layers if threshold is not None else None)
 
 
 @torch.inference_mode()
 def perplexity(model, ids: list[int], block: int, windows: int, threshold: float, propagate: str):
     """Teacher-forced perplexity and average exit layer over ``windows`` windows of ``block`` tokens."""
-    from lmlab.generation.early_exit import teacher_forced
+    from lmlab_architectures.early_exit import teacher_forced
 
     nll, layers = [], []
     for w in range(windows):
@@ -74,7 +80,7 @@ def agreement(tokens: list[list[int]], full: list[list[int]]) -> tuple[float, fl
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="a run trained with model.exit_layers")
+    parser.add_argument("run_dir", type=Path, help="a run trained with architecture.exit_layers")
     parser.add_argument("--new", type=int, default=200, help="greedy tokens per prompt")
     parser.add_argument("--prompts", type=int, default=8, help="prompts of the corpus, 24 characters each")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
@@ -90,8 +96,8 @@ def main(argv=None) -> int:
 
     run = load_run(args.run_dir)
     model = run.model
-    if getattr(model, "exit_heads", None) is None:
-        raise SystemExit(f"{args.run_dir} was trained without model.exit_layers")
+    if not getattr(model, "exit_layers", ()):
+        raise SystemExit(f"{args.run_dir} was trained without architecture.exit_layers")
     n = len(model.blocks)
     block = model.shape.block_size
     text = (ROOT / "data" / "tinyshakespeare.txt").read_text()

@@ -45,8 +45,11 @@ def test_documents_and_replayed_rows_follow_the_larger_batch_too():
     assert torch.equal(torch.cat([p.tokens for p in parts]), whole.tokens)
 
     corpus = (np.arange(3_000, dtype=np.uint16) * 7) % 251
-    full = Replayed(RandomWindows(TOKENS, 16, 8, seed=2), corpus, 0.5, 16, 8, seed=2).batch(4)
-    halves = micro_batches(lambda **kw: Replayed(RandomWindows(TOKENS, 16, 4, seed=2, **kw), corpus, 0.5, 16, 4,
+    def half(step):
+        return 0.5
+
+    full = Replayed(RandomWindows(TOKENS, 16, 8, seed=2), corpus, half, 16, 8, seed=2).batch(4)
+    halves = micro_batches(lambda **kw: Replayed(RandomWindows(TOKENS, 16, 4, seed=2, **kw), corpus, half, 16, 4,
                                                  seed=2, **kw), 2, 1, 4)
     assert torch.equal(torch.cat(halves), full)
 

@@ -163,8 +163,8 @@ def test_a_reference_that_is_not_a_run_folder_is_refused(runs, tmp_path):
 def test_an_objective_that_runs_the_model_refuses_exit_heads(runs, tmp_path):
     manifest = write(tmp_path / "m.toml", PAIRS.format(name="x", init=runs["base"], data=HELD_OUT,
                                                        objective="reward-model", options="")
-                     .replace("[optimizer]", "[model]\nexit_layers = [0]\n[optimizer]"))
-    refused(run_cli("check", manifest), "model.exit_layers")
+                     .replace("[optimizer]", "[architecture]\nexit_layers = [0]\n[optimizer]"))
+    refused(run_cli("check", manifest), "architecture.exit_layers")
 
 
 def test_an_init_with_heads_starts_a_plain_run_and_a_plain_init_starts_a_head(runs):

@@ -134,8 +134,8 @@ def test_a_run_recorded_with_the_older_data_curriculum_spelling_still_loads(leng
     out = run_cli("generate", str(old), "--prompt", "ab", "--max-new-tokens", "4")
     assert out.returncode == 0, out.stderr[-2000:]
     # as an [init] whose corpus a fine-tune replays (the init's whole manifest is loaded)
-    tune = _manifest(tmp_path, f'[init]\nfrom = "{old}"\n[data]\nuse = "jsonl"\npath = "PATH"\nreplay = 0.5\n',
-                     "tune.toml")
+    tune = _manifest(tmp_path, f'[init]\nfrom = "{old}"\n[data]\nuse = "jsonl"\npath = "PATH"\n'
+                               '[order]\nuse = "replay"\nshare = 0.5\n', "tune.toml")
     assert _summary(tmp_path, tune, "tuned")["status"] == "completed"
     # a manifest a user writes is held to today's keys
     refused(run_cli("check", str(old / "manifest.toml")), "data.curriculum")

@@ -1,4 +1,4 @@
-"""[data] replay: a share of fine-tuning rows drawn from the [init] run's own training corpus."""
+"""[order] use = "replay": a share of fine-tuning rows drawn from the [init] run's own training corpus."""
 
 import json
 
@@ -22,7 +22,7 @@ REPLAY = np.arange(0, 50_000, dtype=np.int64)
 def replayed(fraction, replica=0, replicas=1, rich=False, batch_size=8):
     inner = RandomWindows(MAIN, 16, batch_size, seed=5, replica=replica, replicas=replicas, rich=rich,
                           labels=(lambda positions: np.zeros(positions.shape, np.uint8)) if rich else None)
-    return Replayed(inner, REPLAY, fraction, 16, batch_size, seed=5, replica=replica, replicas=replicas)
+    return Replayed(inner, REPLAY, lambda step: fraction, 16, batch_size, seed=5, replica=replica, replicas=replicas)
 
 
 def is_replay_row(row: torch.Tensor) -> bool:
@@ -41,6 +41,23 @@ def test_the_share_of_replayed_rows_matches_the_option_and_each_is_a_window_of_t
         assert is_replay_row(row) or bool((row >= 100_000).all())
 
 
+def test_the_rows_are_those_drawn_when_replay_was_a_data_option():
+    # Recorded from lmlab before API 1.19 ([data] replay = 0.3): a run moved to [order] use = "replay"
+    # trains on the same rows.
+    data = replayed(0.3)
+    assert [data.batch(i)[:, 0].tolist() for i in range(3)] == [
+        [23000, 26314, 100226, 108065, 104680, 523, 106291, 102853],
+        [108884, 23290, 105703, 103903, 29806, 40642, 107344, 104099],
+        [47769, 104514, 11670, 103517, 104187, 102117, 104210, 100139]]
+
+
+def test_the_share_is_asked_of_the_order_at_each_step():
+    inner = RandomWindows(MAIN, 16, 8, seed=5)
+    schedule = Replayed(inner, REPLAY, lambda step: 0.0 if step % 2 else 0.9, 16, 8, seed=5)
+    assert all(not is_replay_row(row) for row in schedule.batch(1))
+    assert sum(is_replay_row(row) for i in range(0, 40, 2) for row in schedule.batch(i)) > 100
+
+
 def test_replayed_rows_are_the_same_again_and_replicas_take_their_slice_of_the_global_batch():
     whole = replayed(0.3, batch_size=8)
     for i in range(20):
@@ -52,7 +69,7 @@ def test_replayed_rows_are_the_same_again_and_replicas_take_their_slice_of_the_g
 def test_in_windows_a_replayed_row_is_scored_everywhere_and_never_padded():
     docs = np.arange(0, 10_000, 50)
     inner = RandomDocuments(MAIN, docs, 16, 8, seed=5, labels=lambda p: np.zeros(p.shape, np.uint8))
-    data = Replayed(inner, REPLAY, 0.5, 16, 8, seed=5)
+    data = Replayed(inner, REPLAY, lambda step: 0.5, 16, 8, seed=5)
     seen = 0
     for i in range(20):
         batch = data.batch(i)
@@ -82,7 +99,9 @@ use = "alpaca"
 path = "{data}"
 template = "compact"
 response_end = "\\n"
-replay = 0.5
+[order]
+use = "replay"
+share = 0.5
 [objective]
 use = "sft"
 packing = false
@@ -123,13 +142,40 @@ def test_a_fine_tune_replays_its_init_runs_corpus_and_replay_needs_an_lmlab_init
     assert result.summary["status"] == "completed" and seen
     data = result.module.trainer.datamodule
     batches = Replayed(RandomDocuments(data.tokens.train, data.tokens.document_starts("train"), 16, 4, seed=1),
-                       data.replay, 0.5, 16, 4, seed=1)
+                       data.replay, data.order.replay_share, 16, 4, seed=1)
     replay_rows = sum(int(r) for i in range(10) for r in (batches.batch(i).padding.sum(dim=1) == 0))
     assert replay_rows > 0
     # The replayed corpus is the init run's training split, tokenised by the same tokenizer.
     assert len(data.replay) == json.loads((tmp_path / "runs" / "base" / "summary.json").read_text())["data"]["tokens"]["train"]
 
+    # Refused before anything runs, naming the order: without an [init], with a Hugging Face [init]
+    # (no prepared corpus to replay), with an objective that is not causal; and the older spelling.
     no_init = tmp_path / "no-init.toml"
     no_init.write_text(SFT.replace('[init]\nfrom = "{init}"\n', "").format(data=records.name))
-    assert main(["run", str(no_init), "--out", str(tmp_path / "x")]) == 2
-    assert "data.replay" in capsys.readouterr().err
+    for args in (["check", str(no_init)], ["run", str(no_init), "--out", str(tmp_path / "x")]):
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "order.use" in err and "no [init] from" in err, err
+    assert not (tmp_path / "x").exists()
+    old = tmp_path / "old.toml"
+    old.write_text(SFT.replace('[order]\nuse = "replay"\nshare = 0.5\n', "").replace(
+        'response_end = "\\n"\n', 'response_end = "\\n"\nreplay = 0.5\n').format(init=tmp_path / "runs" / "base",
+                                                                                 data=records.name))
+    capsys.readouterr()
+    assert main(["check", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert "data.replay" in err and '[order] use = "replay" with share = 0.5' in err, err
+
+
+def test_a_run_recorded_with_data_replay_reads_as_the_replay_order():
+    from lmlab.upgrade import upgrade_recorded
+
+    recorded = {"data": {"use": "alpaca", "replay": 0.05}, "order": {"use": "uniform", "start": 0.2}}
+    assert upgrade_recorded(recorded)["order"] == {"use": "replay", "share": 0.05}
+    assert upgrade_recorded(recorded)["data"] == {"use": "alpaca"}
+    none = upgrade_recorded({"data": {"use": "text-file", "replay": 0.0}})
+    assert none["data"] == {"use": "text-file"} and "order" not in none
+    # API 1.17 and 1.18 allowed a curriculum beside replay: the curriculum is kept
+    both = upgrade_recorded({"data": {"use": "jsonl", "replay": 0.1}, "order": {"use": "length"}})
+    assert both["order"] == {"use": "length"}

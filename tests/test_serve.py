@@ -815,7 +815,7 @@ def test_a_third_party_min_p_decoder_is_what_lmlab_serve_decodes_with(chat_run, 
     (["decoding.use=speculative", "decoding.draft={run}", "decoding.temperature=0"], "decoding.use"),
     (["decoding.cuda_graph=true"], "decoding.cuda_graph"),
     (["decoding.compile=true"], "decoding.compile"),
-    (["decoding.exit_threshold=0.5"], "decoding.exit_threshold"),
+    (["architecture.exit_threshold=0.5"], "architecture.exit_threshold"),  # the run has no exit heads
     (["decoding.use=sample", "decoding.temprature=0.5"], "decoding.temprature"),
 ], ids=lambda v: v if isinstance(v, str) else v[-1])
 def test_serve_refuses_decoding_settings_it_cannot_honour_in_one_line(chat_run, overrides, key):

@@ -33,9 +33,6 @@ def run(variant, machine: bool = True) -> CheckContext:
         raise UserError("names compress methods: a manifest that trains cannot; train, then run `lmlab compress "
                         "RUN_DIR --use METHOD` on the trained run (or start from a compressed run with [init])",
                         key="compress.use")
-    if variant.train.train_only == "exit_heads" and not variant.model.exit_layers:
-        raise UserError("exit_heads needs exit heads to train: set model.exit_layers (blocks after which an exit "
-                        "head sits)", key="train.train_only")
     peft = plugins.get("peft")
     if peft is not None:
         from lmlab.train.adapters import check_parallel
@@ -56,8 +53,8 @@ def run(variant, machine: bool = True) -> CheckContext:
             _check_components(plugin, slot, context)
     if built.tokenizer is not None:
         check_sample_prompt(variant.train, plugins["objective"], built.tokenizer)
-    _check_objective_runs_model(variant, plugins)
-    _check_curriculum(variant, plugins.get("order"), plugins["objective"])
+    _check_objective_runs_model(plugins, model)
+    _check_order(variant, plugins.get("order"), plugins["objective"])
     objective_runs.check(variant, plugins["objective"], built.tokenizer)
     return context
 
@@ -113,9 +110,9 @@ def check_sample_prompt(train, objective, tokenizer) -> None:
                         key="train.sample_prompt")
 
 
-def _check_objective_runs_model(variant, plugins) -> None:
+def _check_objective_runs_model(plugins, model) -> None:
     """An objective that runs the model itself (Objective.forward_loss) gets the whole model, so no
-    pipeline stages, and no exit heads (their loss is the core's default step)."""
+    pipeline stages, and no extra heads (their loss is the core's default step)."""
     objective = plugins["objective"]
     if not objective.runs_model():
         return
@@ -123,9 +120,10 @@ def _check_objective_runs_model(variant, plugins) -> None:
         raise UserError(f"objective {objective.name!r} runs the whole model itself (pairs, heads or rollouts), "
                         f"which parallel plugin {plugins['parallel'].name!r} splits into pipeline stages; use "
                         "another parallel plugin", key="parallel.use")
-    if variant.model.exit_layers:
-        raise UserError(f"exit heads are trained by the next-token objectives; objective {objective.name!r} runs "
-                        "the model itself: leave model.exit_layers empty", key="model.exit_layers")
+    if model is not None and getattr(model, "extra_heads", ()):
+        raise UserError(f"the model's extra heads ({', '.join(model.extra_heads)}) are trained by the objectives "
+                        f"that score logits; objective {objective.name!r} runs the model itself",
+                        key="architecture.use")
 
 
 def run_all(variants) -> dict:
@@ -162,11 +160,13 @@ def _without_random_init():
     return WithoutRandomInit()
 
 
-def _check_curriculum(variant, order, objective) -> None:
-    """A data order that scores by the objective's difficulty needs an objective that gives one."""
+def _check_order(variant, order, objective) -> None:
+    """A data order that scores by the objective's difficulty needs an objective that gives one; one
+    that replays needs an lmlab run as [init] and a causal objective."""
     from lmlab.api import Objective
-    from lmlab.train.curriculum import order_key
+    from lmlab.train import replay
 
     if order is not None and order.uses_difficulty and type(objective).difficulty is Objective.difficulty:
         raise UserError(f"objective {objective.name!r} gives no difficulty score (Objective.difficulty); order "
-                        f"{order.name!r} needs one: use length or rarity", key=order_key(variant))
+                        f"{order.name!r} needs one: use length or rarity", key="order.use")
+    replay.check(variant, order, objective)

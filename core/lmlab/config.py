@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, model_validator
 
 from lmlab.api import Field, Options, UserError
+from lmlab.api.architecture import refuse_moved_early_exit
 from lmlab.tables import CORE_TABLE_NAMES
 
 #: What activation checkpointing recomputes in backward (``LanguageModel.set_checkpointing``).
@@ -15,7 +16,6 @@ CHECKPOINTING = ("none", "full", "ffn", "attention")
 
 #: ``[model]`` keys that the architecture slot took over (API 1.18): the family and the encoder-decoder's own.
 MOVED_TO_ARCHITECTURE = ("architecture", "encoder_layers", "share_embeddings", "decoder_start_id")
-
 
 class ModelOptions(Options):
     # An upper bound far above any model trained (hundreds of layers), so a typo fails at once
@@ -31,10 +31,6 @@ class ModelOptions(Options):
     norm_eps: float = Field(1e-5, gt=0, help="epsilon of the normalisation layers")
     tie_embeddings: bool = Field(True, help="share the token embedding with the output head")
     init_std: float = Field(0.02, gt=0, help="std of the normal weight init (GPT-2)")
-    exit_layers: list[int] = Field(
-        [], help="early exit: blocks (0-based) after which a light exit head sits (its own norm, then the shared "
-                 "output head), each below n_layers - 1; trained with train.exit_loss_weight, used by "
-                 "decoding.exit_threshold")
 
     @model_validator(mode="before")
     @classmethod
@@ -47,25 +43,13 @@ class ModelOptions(Options):
                     raise UserError(f"moved to the architecture slot: write {where} (e.g. [architecture] use = "
                                     "\"encoder-decoder\" with its encoder_layers, share_embeddings, decoder_start_id)",
                                     key=f"model.{key}")
+        refuse_moved_early_exit("model", values)
         return values
 
     @model_validator(mode="after")
     def _heads_divide_width(self):
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        return self
-
-    @model_validator(mode="after")
-    def _exits_inside(self):
-        # The last block's exit is the model's own head: an exit head there would duplicate it.
-        wrong = [i for i in self.exit_layers if not 0 <= i < self.n_layers - 1]
-        if wrong:
-            raise UserError(f"block {wrong[0]} cannot hold an exit head: exits sit after blocks 0..{self.n_layers - 2} "
-                            f"(n_layers = {self.n_layers}; the last block's exit is the model's head)",
-                            key="model.exit_layers")
-        if self.exit_layers != sorted(set(self.exit_layers)):
-            raise UserError(f"must be increasing block indices without repeats, got {self.exit_layers}",
-                            key="model.exit_layers")
         return self
 
 
@@ -107,12 +91,12 @@ class TrainOptions(Options):
     threads: int | None = Field(None, gt=0, help="torch intra-op threads (default: torch's choice)")
     sample_tokens: int = Field(200, ge=0, help="tokens of text to generate at the end (0: none)")
     sample_prompt: str = Field("\n", help="prompt for that sample")
-    exit_loss_weight: float = Field(
-        1.0, ge=0, help="model.exit_layers: the loss is the head's plus this times the mean of the exit heads' "
-                        "losses on the same targets (train/val loss report the head's alone)")
-    train_only: Literal["exit_heads"] | None = Field(
-        None, help="exit_heads: train the exit heads of model.exit_layers alone, every other weight frozen "
-                   "(early exit on a trained model: with [init] from = \"<run>\")")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_early_exit(cls, values):
+        refuse_moved_early_exit("train", values)
+        return values
 
     @model_validator(mode="after")
     def _warmup_fits(self):

@@ -27,9 +27,17 @@ class _Dropped(nn.Module):
 class LanguageModel(nn.Module):
     """Token embedding → position → blocks → final norm → (tied) head; see ``lmlab.api.LanguageModel``."""
 
+    #: Names of the extra prediction heads the objective scores beside the output head (API 1.19; a
+    #: subclass's, e.g. early exit's heads): ``forward(idx, extras=True)`` returns their logits too,
+    #: the training loss adds ``extra_loss_weight`` times their mean loss, and each one's validation
+    #: loss is reported in ``summary.json`` as ``val_<extra_losses_name>``.
+    extra_heads: tuple[str, ...] = ()
+    extra_loss_weight: float = 1.0
+    extra_losses_name: str = "extra_losses"
+
     def __init__(self, shape: ModelShape, *, position, attention, ffn, norm: str = "layernorm",
                  norm_eps: float = 1e-5, tie_embeddings: bool = True, causal: bool = True,
-                 exit_layers: tuple[int, ...] = (), heads=None, block: type[nn.Module] = Block):
+                 heads=None, block: type[nn.Module] = Block):
         """``attention``: the mixer plugin of every layer, or a sequence of ``n_layers`` of them (a
         layer pattern); ``block``: the block class, called as ``block(shape, norm, norm_eps, mixer,
         ffn, layer)`` (see ``lmlab.api.architecture``)."""
@@ -53,17 +61,27 @@ class LanguageModel(nn.Module):
         if tie_embeddings:
             # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
             self.head.weight = self.tok_emb.weight
-        # Early exit (model.exit_layers; BranchyNet, Teerapittayanon et al. 2016; CALM, Schuster et al.
-        # 2022): after block i, exit_heads[str(i)] normalises the hidden state for the shared output head,
-        # as norm_f does for the last block, so an exit adds a norm and no matrix. None without exits:
-        # such a model's modules, state dict and forward are those of a model built before exits existed.
-        self.exit_layers = tuple(exit_layers)
-        self.exit_heads = nn.ModuleDict({str(i): build_norm(norm, shape, norm_eps) for i in self.exit_layers}) \
-            if self.exit_layers else None
+        self.norm_name, self.norm_eps = norm, norm_eps  # for a subclass's added norms (build_norm)
+        self.add_modules()
         self.reset_parameters()
         # The objective's own modules (Objective.heads: a reward model's scalar head, PPO's value head),
         # initialised by the objective; None without any, so other models' state dicts are unchanged.
         self.heads = nn.ModuleDict(dict(heads)) if heads else None
+
+    def add_modules(self) -> None:
+        """A subclass's own modules, added before the weights are initialised (they are then in
+        ``reset_parameters``' care). Default: none."""
+
+    def extra_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """The logits (B, T, V) of the extra head that reads block ``layer``'s output ``x``, or None
+        when none does; called during ``forward(extras=True)`` after every block, in order."""
+        return None
+
+    def init_missing(self, state: dict, missing: list[str]) -> list[str]:
+        """Start weights that an ``[init]`` checkpoint lacks (a subclass's added heads) from ``state``,
+        the init's weights as they will load, by adding entries to it; return the names still missing.
+        Default: none is started."""
+        return missing
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, init_std) embeddings; each plugin module initialises its own weights."""
@@ -75,8 +93,6 @@ class LanguageModel(nn.Module):
         for block in self.blocks:
             block.reset_parameters(self.shape)
         self.norm_f.reset_parameters()
-        for norm in self.exit_heads.values() if self.exit_heads is not None else ():
-            norm.reset_parameters()
         for head in getattr(self, "heads", None).values() if getattr(self, "heads", None) is not None else ():
             if hasattr(head, "reset_parameters"):  # the objective's own initialisation, again
                 head.reset_parameters()
@@ -98,10 +114,9 @@ class LanguageModel(nn.Module):
         if not 0 <= start < stop <= n or self.span != (0, n):
             raise ValueError(f"a pipeline stage is a non-empty span of blocks 0..{n - 1} of a whole model; "
                              f"got [{start}, {stop}) of a model running {list(self.span)}")
-        if self.exit_heads is not None:  # an exit's loss needs the output head, which only the last stage holds
-            raise UserError("exit heads cannot be trained under pipeline parallelism (every exit needs the output "
-                            "head, which only the last stage holds); leave model.exit_layers empty",
-                            key="model.exit_layers")
+        if self.extra_heads:  # an extra head's loss needs the output head, which only the last stage holds
+            raise UserError("extra prediction heads cannot be trained under pipeline parallelism (each needs the "
+                            "output head, which only the last stage holds)", key="parallel.use")
         tied = self.head.weight is self.tok_emb.weight
         for i in range(n):
             if not start <= i < stop:
@@ -112,10 +127,10 @@ class LanguageModel(nn.Module):
             self.norm_f = self.head = None
         self.span = (start, stop)
 
-    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, exits: bool = False,
+    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, extras: bool = False,
                 hidden: bool = False):
-        """idx (B, T) → logits (B, T, V). ``exits`` (a model with exit heads): (logits, [the logits
-        (B, T, V) of each exit head, in block order]), what the training loss of early exit needs.
+        """idx (B, T) → logits (B, T, V). ``extras``: (logits, [the logits (B, T, V) of each of
+        ``extra_heads``, in block order]), what the training loss needs of a model with extra heads.
         ``hidden``: the final norm's output (B, T, C) instead of logits, for an objective's heads."""
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
@@ -135,11 +150,11 @@ class LanguageModel(nn.Module):
         else:
             x = idx  # a later pipeline stage: the previous stage's hidden states (B, T, C)
         states = cache.states if cache is not None else (None,) * len(self.blocks)
-        exit_logits = []
+        extra = []
         for i in range(first, stop):
             x = self.blocks[i](x, ctx, states[i])
-            if exits and i in self.exit_layers:
-                exit_logits.append(self.head(self.exit_heads[str(i)](x)))
+            if extras and (out := self.extra_logits(i, x)) is not None:
+                extra.append(out)
         if cache is not None:
             cache.length = start + T
         if stop < len(self.blocks):
@@ -147,7 +162,7 @@ class LanguageModel(nn.Module):
         if hidden:
             return self.norm_f(x)
         logits = self.head(self.norm_f(x))
-        return (logits, exit_logits) if exits else logits
+        return (logits, extra) if extras else logits
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses the blocks' modules stored in their last forward (e.g. MoE
@@ -180,15 +195,14 @@ class StepLoss(NamedTuple):
     loss: torch.Tensor  # the objective's loss alone (reported as train/val loss)
     aux: torch.Tensor | None  # the sum of the auxiliary losses, if any module reported one
     logits: torch.Tensor | None  # None when the objective ran the model itself (Objective.forward_loss)
-    exits: torch.Tensor | None = None  # (E,) the objective's loss at each exit head (model.exit_layers), unweighted
+    extras: torch.Tensor | None = None  # (E,) the objective's loss at each of the model's extra_heads, unweighted
 
 
-def compute_loss(model: LanguageModel, objective, batch, forward=None, exit_weight: float = 1.0) -> StepLoss:
+def compute_loss(model: LanguageModel, objective, batch, forward=None) -> StepLoss:
     """One training/eval forward; ``forward`` is the callable to run (e.g. the compiled model).
 
-    A model with exit heads also scores the targets at each exit; ``exit_weight`` times the mean of
-    those losses joins the auxiliary loss (the weighted sum over exits of CALM, Schuster et al. 2022,
-    and the Depth-Adaptive Transformer, Elbayad et al. 2020, with equal weights), while ``loss``
+    A model with extra heads (``extra_heads``) also scores the targets at each; its
+    ``extra_loss_weight`` times the mean of those losses joins the auxiliary loss, while ``loss``
     stays the output head's."""
     run = model if forward is None else forward
     if getattr(objective, "runs_model", None) is not None and objective.runs_model():
@@ -196,18 +210,18 @@ def compute_loss(model: LanguageModel, objective, batch, forward=None, exit_weig
         loss = objective.forward_loss(model, batch)
         aux = model.aux_loss()
         return StepLoss(loss if aux is None else loss + aux, loss, aux, None)
-    if getattr(model, "exit_heads", None) is None:
+    if not getattr(model, "extra_heads", ()):  # a model of the author's own class may lack the attribute
         logits = run(batch.input_ids, **batch.model_inputs())
         loss = objective.loss(logits, batch)
         aux = model.aux_loss()
         return StepLoss(loss if aux is None else loss + aux, loss, aux, logits)
-    logits, exit_logits = run(batch.input_ids, exits=True)
+    logits, extra_logits = run(batch.input_ids, extras=True)
     loss = objective.loss(logits, batch)
-    exits = torch.stack([objective.loss(out, batch) for out in exit_logits])
+    extras = torch.stack([objective.loss(out, batch) for out in extra_logits])
     aux = model.aux_loss()
-    weighted = exit_weight * exits.mean()
+    weighted = model.extra_loss_weight * extras.mean()
     aux = weighted if aux is None else aux + weighted
-    return StepLoss(loss + aux, loss, aux, logits, exits)
+    return StepLoss(loss + aux, loss, aux, logits, extras)
 
 
 def shape_of(model, vocab_size: int) -> ModelShape:
@@ -244,8 +258,7 @@ def mixer_plugins(plugins: dict) -> list:
 def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int | None = None):
     """The model the architecture plugin wires from the position, attention and ffn plugins and the shared
     ``[model]`` settings; bidirectional when the objective is not causal, which needs attention plugins
-    that support it (``Attention.bidirectional``); an encoder-decoder needs their cross-attention too. A
-    decoder with ``exit_threshold`` needs the model's exit heads."""
+    that support it (``Attention.bidirectional``); an encoder-decoder needs their cross-attention too."""
     if "architecture" not in plugins:  # a caller that assembles plugins by hand (tests, the kit): the slot's default
         plugins = {**plugins, "architecture": default_plugin("architecture")}
     objective = plugins.get("objective")
@@ -262,22 +275,11 @@ def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int |
             raise UserError(f"attention plugin {attention.name!r} is causal only, and {who} needs bidirectional "
                             "attention; use one that declares it (Attention.bidirectional; see `lmlab plugins "
                             "attention`)", key="attention.use")
-    if kind == ENCODER_DECODER and model.exit_layers:
-        raise UserError("early exit is for decoder-only models; leave it empty", key="model.exit_layers")
     if kind == ENCODER:  # position schemes that tell the two directions apart build for both
         shape = dataclasses.replace(shape, causal=False)
     parts = ModelParts(shape=shape, family=kind, position=plugins["position"], attention=plugins["attention"],
                        ffn=plugins["ffn"], norm=model.norm, norm_eps=model.norm_eps,
-                       tie_embeddings=model.tie_embeddings, exit_layers=tuple(model.exit_layers),
-                       heads=objective.heads(shape) if objective is not None else None,
+                       tie_embeddings=model.tie_embeddings, heads=objective.heads(shape) if objective is not None else None,
                        decoder_start_id=decoder_start_id if kind == ENCODER_DECODER else None,
                        components=components_of(arch))
-    built = arch.build(parts)
-    decoder = plugins.get("decoding")
-    if getattr(getattr(decoder, "options", None), "exit_threshold", None) is not None:
-        # Early exit needs exit heads and a one-token-per-step decoder: refused here, so `lmlab check`,
-        # `lmlab run` (before training, not at its closing sample) and `lmlab generate` all say so.
-        from lmlab.generation.early_exit import check
-
-        check(decoder, built)
-    return built
+    return arch.build(parts)

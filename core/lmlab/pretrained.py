@@ -48,7 +48,7 @@ from lmlab.tables import read_toml, validate_options
 #: The tables an init decides.
 GOVERNED = ("model", "architecture", "position", "attention", "ffn", "tokenizer")
 #: [model] keys a fine-tune may set to another value than the init's: no weight depends on them.
-FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std", "exit_layers"})
+FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std"})
 RUN = "lmlab run"
 
 
@@ -217,8 +217,9 @@ def _check_agreement(table: str, theirs: dict, mine: dict, source: Source, base_
     else:
         if "use" in mine and mine["use"] != theirs.get("use"):
             refuse("use", theirs.get("use"), mine["use"], f"{table} plugin")
-        options_cls = discovery.load(table, theirs["use"], key=f"{table}.use").Options
-        plugin, checked = theirs["use"], [k for k in mine if k != "use"]
+        cls = discovery.load(table, theirs["use"], key=f"{table}.use")
+        options_cls, plugin = cls.Options, theirs["use"]
+        checked = [k for k in mine if k != "use" and k not in cls.free_options]
     if not checked:
         return
     def resolved(values: dict) -> dict:  # every option, defaults filled in, as the run would use it
@@ -305,8 +306,8 @@ def _restructure_compressed(model, checkpoint: Path) -> None:
 def load_state(model, state: dict, strict: bool = True, their_block_size: int | None = None,
                source: Path | str = "the init") -> None:
     """Copy ``state`` into ``model`` name by name; a UserError for a shape that differs (naming the
-    parameter) or, when ``strict``, for a weight either side lacks (naming init.strict), except the
-    model's exit heads (``model.exit_layers``), which an init trained without them does not hold, and
+    parameter) or, when ``strict``, for a weight either side lacks (naming init.strict), except those
+    the model starts itself (``init_missing``: heads an init trained without them does not hold), and
     either side's objective heads (``Objective.heads``). A
     position table sized by a larger ``their_block_size`` is cut to the model's block_size."""
     own = model.state_dict()
@@ -330,14 +331,8 @@ def load_state(model, state: dict, strict: bool = True, their_block_size: int | 
         fitted[name] = value
     missing = [k for k in own if k not in fitted]
     unexpected = [k for k in state if k not in own]
-    # Exit heads (model.exit_layers) added to a model trained without them, to be trained on it
-    # (train.train_only = "exit_heads"): they start as copies of the final norm, so each exit begins
-    # by reading its block's hidden state as the output head reads the last one (the "logit lens").
-    for name in [k for k in missing if k.startswith("exit_heads.")]:
-        final = "norm_f." + name.split(".", 2)[2]
-        if final in fitted and fitted[final].shape == own[name].shape:
-            fitted[name] = fitted[final]
-    missing = [k for k in missing if not k.startswith("exit_heads.")]
+    if missing and hasattr(model, "init_missing"):  # a model of the author's own class may lack it
+        missing = model.init_missing(fitted, missing)
     # An objective's heads (Objective.heads) belong to the objective that trained them: this run's start
     # as the objective built them, and an init's that this run lacks are left behind (an SFT run
     # starting a reward model; a reward model starting a policy).

@@ -9,7 +9,59 @@ there is refused naming where it moved.
 def upgrade_recorded(recorded: dict) -> dict:
     """A run's recorded manifest in today's terms: with an ``[architecture]`` table, and its data order
     in ``[order]`` only."""
-    return _order_from_curriculum(_architecture_from_model(recorded))
+    return _order_from_replay(_order_from_curriculum(_early_exit_to_architecture(_architecture_from_model(recorded))))
+
+
+def _early_exit_to_architecture(recorded: dict) -> dict:
+    """A run recorded before API 1.19 kept early exit in the core's tables (``model.exit_layers``, at []
+    in every run, ``train.exit_loss_weight``, ``train.train_only``, ``decoding.exit_threshold``). They
+    leave those tables; a run that had exit heads gets them as its architecture's options."""
+    from lmlab import discovery
+    from lmlab.api.architecture import MOVED_EARLY_EXIT
+
+    upgraded, moved = dict(recorded), {}
+    for (table, key), option in MOVED_EARLY_EXIT.items():
+        values = recorded.get(table)
+        if isinstance(values, dict) and key in values:
+            upgraded[table] = {k: v for k, v in upgraded[table].items() if k != key}
+            moved[option] = values[key]
+    if not moved.get("exit_layers"):
+        return upgraded
+    moved["train_only_exits"] = moved.get("train_only_exits") is not None
+    moved = {k: v for k, v in moved.items() if v is not None}
+    architecture = dict(upgraded.get("architecture") or {})
+    fields = discovery.load("architecture", architecture["use"]).Options.model_fields
+    upgraded["architecture"] = {**architecture, **{k: v for k, v in moved.items() if k in fields}}
+    return upgraded
+
+
+def _order_from_replay(recorded: dict) -> dict:
+    """A run recorded before API 1.19 kept ``data.replay`` (every run, 0.0 when it replayed nothing).
+    A share above 0 becomes the replaying order's table; a run that also had a curriculum (API 1.17
+    and 1.18 allowed both) keeps its curriculum, as no first-party order does both."""
+    from lmlab.api.data import MOVED_TO_REPLAY
+
+    ((key, (use, option)),) = MOVED_TO_REPLAY.items()
+    data = recorded.get("data")
+    if not isinstance(data, dict) or key not in data:
+        return recorded
+    data = dict(data)
+    share = data.pop(key)
+    upgraded = {**recorded, "data": data}
+    order = recorded.get("order")
+    if share and (not isinstance(order, dict) or not _orders_documents(order.get("use"))):
+        upgraded["order"] = {"use": use, option: share}
+    return upgraded
+
+
+def _orders_documents(name) -> bool:
+    """Whether the installed order plugin ``name`` scores the documents (a curriculum)."""
+    from lmlab import discovery
+    from lmlab.api import Order
+
+    if not isinstance(name, str) or name not in {p.name for p in discovery.installed().get("order", [])}:
+        return False
+    return discovery.load("order", name).scores is not Order.scores
 
 
 def _order_from_curriculum(recorded: dict) -> dict:

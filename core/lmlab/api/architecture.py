@@ -7,7 +7,7 @@ modules. The core offers the pieces today's models are made of, so a new wiring 
 a few lines:
 
 - ``Stack``: token embedding → position → blocks → final norm → head,
-  with everything the rest of lmlab relies on (a decoding cache, pipeline stages, exit heads, the
+  with everything the rest of lmlab relies on (a decoding cache, pipeline stages, extra heads, the
   objective's heads, activation checkpointing, auxiliary losses). ``block=`` takes any block class.
 - ``Block``: the pre-norm residual block; subclass it and override
   ``forward`` (and ``mix`` / ``feed_forward``) for another wiring.
@@ -23,6 +23,15 @@ pruning and decoding caches work on every wiring): its mixer is ``block.attn`` (
 ``"attention"``, ``"ffn"`` and the block's ``forward`` honours it; ``reset_parameters(shape)``
 initialises the block. Auxiliary losses are collected from every module of the model that sets a
 tensor ``aux_loss`` in its forward, wherever it sits.
+
+A technique that adds to the model subclasses ``Stack`` (API 1.19; early exit in ``lmlab-architectures``
+is the worked example): ``add_modules`` adds its modules before the weights are initialised;
+``extra_heads`` names prediction heads and ``extra_logits(layer, x)`` gives their logits after block
+``layer``, which the core scores with the objective beside the output head (``extra_loss_weight``
+times their mean joins the loss; each one's validation loss goes in ``summary.json`` under
+``val_<extra_losses_name>``); ``init_missing`` starts weights an ``[init]`` lacks; ``make_engine``
+supplies its own decoding engine (or None for the core's). The architecture lists in
+``free_options`` (``Plugin.free_options``) the options a run may set otherwise than its ``[init]``.
 
 Composition: an option field named in ``Architecture.components`` holds tables of other plugins
 (``[architecture.mixers.M] use = "mamba"``, its options beside ``use``). The core validates each
@@ -53,6 +62,24 @@ FAMILIES = ("decoder", "encoder", "encoder-decoder")
 DECODER, ENCODER, ENCODER_DECODER = FAMILIES
 
 
+#: Early exit's keys, which moved from the core's tables to the architecture's options (API 1.19):
+#: (table, key) → the architecture option it became. ``train.train_only = "exit_heads"`` became
+#: ``train_only_exits = true``.
+MOVED_EARLY_EXIT = {("model", "exit_layers"): "exit_layers", ("train", "exit_loss_weight"): "exit_loss_weight",
+                    ("train", "train_only"): "train_only_exits", ("decoding", "exit_threshold"): "exit_threshold"}
+
+
+def refuse_moved_early_exit(table: str, values) -> None:
+    """One line naming where an early-exit key of ``table`` went, if ``values`` gives one."""
+    if not isinstance(values, dict):
+        return
+    for (where, key), option in MOVED_EARLY_EXIT.items():
+        if where == table and key in values:
+            value = "true" if option == "train_only_exits" else repr(values[key]).replace("'", '"')
+            raise UserError(f"early exit moved to the architecture's options: write architecture.{option} = {value}",
+                            key=f"{table}.{key}")
+
+
 @dataclass(frozen=True)
 class ModelParts:
     """What an architecture builds a model from (API 1.18)."""
@@ -72,8 +99,6 @@ class ModelParts:
     """``model.norm``, for ``build_norm``."""
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
-    exit_layers: tuple[int, ...] = ()
-    """``model.exit_layers``: blocks after which an exit head sits (decoder family)."""
     heads: Mapping[str, Any] | None = None
     """The objective's own modules ([Objective.heads][lmlab.api.objective.Objective.heads]), for the
     model's ``heads``."""

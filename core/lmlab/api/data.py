@@ -97,10 +97,6 @@ def document_text(doc: Document) -> str:
     return doc if isinstance(doc, str) else doc.text
 
 
-#: DataOptions that decide how training draws from the corpus, not what it holds (not in the fingerprint).
-SAMPLING_OPTIONS = frozenset({"replay"})
-
-
 #: ``[data]`` keys of the older spelling of the order slot (``data.curriculum``, API 1.10 to 1.17) → the
 #: ``[order]`` key each became. A manifest giving one is refused; ``lmlab.upgrade`` reads run folders
 #: recorded with them.
@@ -111,6 +107,10 @@ MOVED_TO_ORDER = {"curriculum": "use", "curriculum_start": "start", "curriculum_
 #: which as an order plugin is ``difficulty`` (a plugin must not share its name with a slot).
 CURRICULUM_ORDERS = {"length": "length", "rarity": "rarity", "objective": "difficulty"}
 
+#: The ``[data]`` key of the older spelling of replay (API 1.4 to 1.18) → the ``order`` plugin it became
+#: and the option its value is.
+MOVED_TO_REPLAY = {"replay": ("replay", "share")}
+
 
 class DataOptions(Options):
     """Options every data source has; a plugin's options subclass these."""
@@ -118,9 +118,6 @@ class DataOptions(Options):
     val_fraction: float = Field(
         0.1, gt=0, lt=1, help="share of the corpus held out for validation: the end of a single document, "
                               "else every (1/val_fraction)-th document")
-    replay: float = Field(
-        0.0, ge=0, lt=1, help="share of training rows taken instead from the [init] run's own training corpus "
-                              "(replay against forgetting while fine-tuning; API 1.4)")
 
     @model_validator(mode="before")
     @classmethod
@@ -134,6 +131,10 @@ class DataOptions(Options):
                     use = CURRICULUM_ORDERS.get(kind, "<name>") if isinstance(kind, str) else "<name>"
                     raise UserError(f"moved to the order slot: write [order] use = \"{use}\" with start, steps, "
                                     f"pacing (data.{key} is order.{new})", key=f"data.{key}")
+            for key, (use, option) in MOVED_TO_REPLAY.items():  # API 1.19
+                if key in values:
+                    raise UserError(f"moved to the order slot: write [order] use = \"{use}\" with {option} = "
+                                    f"{values[key]!r}", key=f"data.{key}")
         return values
 
 
@@ -182,11 +183,9 @@ class DataSource(Plugin):
 
         Called in the main process whenever the cache key is computed (each ``lmlab prepare`` and
         ``lmlab run`` of the variant), so it should cost less than reading the corpus. The default
-        hashes the plugin's name and options (all but ``replay``); sources that read files should
-        also hash their contents.
+        hashes the plugin's name and options; sources that read files should also hash their contents.
         """
-        # replay and the curriculum decide how training draws, not which documents this source yields.
-        blob = json.dumps(self.options.model_dump(mode="json", exclude=SAMPLING_OPTIONS), sort_keys=True)
+        blob = json.dumps(self.options.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(f"{self.name}:{blob}".encode()).hexdigest()
 
     def chat_template(self) -> ChatTemplate | None:

@@ -10,6 +10,7 @@ a subclass may use and override), and
 from typing import Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
 import torch
+from pydantic import model_validator
 
 from lmlab.api.options import Field, Options
 from lmlab.api.cache import InferenceCache
@@ -29,11 +30,14 @@ class DecodingOptions(Options):
                                          "(contiguous cache); ignored elsewhere")
     compile: bool = Field(False, help="compile the one-token decode step with torch.compile (contiguous cache, "
                                       "fixed shapes): seconds of compiling once, then a faster step")
-    exit_threshold: float | None = Field(
-        None, ge=0, le=1, help="early exit (greedy and sample): leave at the first exit head whose max softmax "
-                               "probability is >= this, skipping the deeper blocks (1.0 never exits; 0.0 always "
-                               "takes the first); needs a run trained with model.exit_layers; prompts are decoded "
-                               "one at a time")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_early_exit(cls, values):
+        from lmlab.api.architecture import refuse_moved_early_exit
+
+        refuse_moved_early_exit("decoding", values)
+        return values
 
 
 class Engine(Protocol):
@@ -84,6 +88,11 @@ class Engine(Protocol):
     def companion(self, model: LanguageModel) -> "Engine":
         """A new engine over another model (a speculative decoder's draft) with this one's cache
         settings."""
+
+    def report(self) -> str | None:
+        """Optional (API 1.19): a few words on how the engine decoded, which ``lmlab generate`` prints
+        with its speed in place of the cache's name (a model's own engine: early exit's average exit
+        layer)."""
 
 
 class Outputs(Protocol):

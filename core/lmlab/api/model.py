@@ -18,7 +18,8 @@ class LanguageModel(Protocol):
     ``compile``, as in [DecodingOptions][lmlab.api.decoding.DecodingOptions]). The core then decodes
     through it rather than its own; it is typically a subclass of ``lmlab.api.decoding.SharedCacheEngine``
     (an encoder–decoder's engine adds each row's encoder output). A model without it (the core's
-    decoder stack) decodes through the core's engine.
+    decoder stack), or whose ``make_engine`` returns None (API 1.19: early exit without a threshold),
+    decodes through the core's engine.
     """
 
     block_size: int

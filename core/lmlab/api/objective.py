@@ -54,7 +54,7 @@ from lmlab.api.runs import ObjectiveContext, TrainedRun
 from lmlab.api.shape import ModelShape
 
 #: Names [Objective.report][lmlab.api.objective.Objective.report] cannot take: the core's own figures.
-RESERVED_REPORTS = frozenset({"loss", "ppl", "exit_losses"})
+RESERVED_REPORTS = frozenset({"loss", "ppl", "exit_losses", "extra_losses"})
 
 
 @dataclass(frozen=True)
@@ -307,8 +307,8 @@ class Objective(Plugin):
         pair, sequence or token). The core averages the values over every sample of the logging
         interval (metrics.jsonl's ``train_<name>``) and of the whole evaluation (``val_<name>``, all
         processes together); the closing evaluation's go into summary.json. It adds no host sync:
-        values are summed on the device. ``name`` is a lowercase identifier, not ``loss``, ``ppl``
-        or ``exit_losses``.
+        values are summed on the device. ``name`` is a lowercase identifier, not ``loss``, ``ppl``,
+        ``exit_losses`` or ``extra_losses`` (a model's extra heads').
         """
         if name in RESERVED_REPORTS or not name.isidentifier() or name != name.lower():
             raise ValueError(f"objective {self.name!r} reports {name!r}: a figure's name is a lowercase identifier, "

@@ -14,6 +14,10 @@ or as c(s) = min(1, sqrt(s·(1 − c0²)/S + c0²)) for ``root``). A plugin that
 score overrides [scores][lmlab.api.order.Order.scores]; one with its own sampling policy (a cyclic
 curriculum, a held-out band, self-paced learning on a fixed schedule) overrides
 [pool][lmlab.api.order.Order.pool], which must be a pure function of the step.
+
+An order may also draw part of each batch from the ``[init]`` run's own training split (API 1.19):
+[replay_share][lmlab.api.order.Order.replay_share] says how much at each step, and the core draws
+those rows, like the others, from (seed, step).
 """
 
 import math
@@ -73,6 +77,10 @@ class Order(Plugin):
     uses_difficulty: ClassVar[bool] = False
     """True when [scores][lmlab.api.order.Order.scores] reads the objective's ``difficulty``: an
     objective without one is refused at ``lmlab check``."""
+    replays: ClassVar[bool] = False
+    """True when [replay_share][lmlab.api.order.Order.replay_share] can be above 0 (API 1.19): the
+    core then loads the ``[init]`` run's training split, and ``lmlab check`` refuses a run without an
+    ``[init] from`` an lmlab run, or with an objective that is not causal."""
 
     def scores(self, documents: TrainingDocuments) -> np.ndarray | None:
         """A difficulty per document, lower first; ties keep corpus order.
@@ -110,3 +118,15 @@ class Order(Plugin):
         n = len(order)
         available = max(1, min(n, math.ceil(self.competence(step) * n)))
         return None if available >= n else order[:available]
+
+    def replay_share(self, step: int) -> float:
+        """The share of ``step``'s global batch taken instead from the ``[init]`` run's own training
+        split (API 1.19; read only when [replays][lmlab.api.order.Order.replays] is True).
+
+        The core replaces each row of the global batch with this probability by a random window of
+        that split (tokenised by the init's tokenizer, which is this run's), drawn from (seed, step)
+        and sliced per replica like every other draw. A replayed row is plain text, scored at every
+        token and never padded, whatever the objective does with its own rows. Must be a pure
+        function of ``step`` in [0, 1). Default 0: no row is replaced.
+        """
+        return 0.0

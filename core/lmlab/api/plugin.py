@@ -33,6 +33,11 @@ class Plugin:
     when [API_VERSION][lmlab.api.version.API_VERSION] is outside."""
     name: ClassVar[str] = ""
     """The entry point's name, set by discovery: what manifests write in ``use``."""
+    free_options: ClassVar[frozenset[str]] = frozenset()
+    """Options of a plugin that builds the model (architecture, position, attention, ffn) that a run
+    starting from an ``[init]`` may set otherwise than the init did (API 1.19): they change no weight
+    the init holds (a decoding setting; heads the model starts itself). Every other option must agree
+    with the init's, or the run is refused naming it."""
 
     def __init__(self, options: Options | None = None):
         self.options = options if options is not None else self.Options()

@@ -179,6 +179,21 @@ and raise the bound when the plugin starts to use a newer one.
      steps, which a non-finite diagnosis suggests adding (the first installed monitor declaring one).
      ``Tracker.run_files``: what a tracker keeps in a run folder, removed with the run's own files when
      the run starts over.
+
+1.19: ``Order.replays`` and ``Order.replay_share(step)``: a data order mixes rows of the ``[init]`` run's
+     training split into each batch, drawn by the core (the first-party ``replay`` order);
+     ``DataOptions.replay``, its older spelling, is refused naming ``[order] use = "replay"``.
+     Model hooks a technique's model class uses instead of the core knowing the technique (early exit
+     moved into the ``decoder`` architecture's options): ``Stack.extra_heads``, ``extra_loss_weight``,
+     ``extra_losses_name`` and ``extra_logits`` (prediction heads the objective scores beside the output
+     head; ``forward(idx, extras=True)``; ``StepLoss.extras``), ``Stack.add_modules`` (a subclass's
+     modules, initialised with the rest), ``Stack.init_missing`` (weights an ``[init]`` lacks that the
+     model starts itself), ``Plugin.free_options`` (options a run may set otherwise than its ``[init]``),
+     a model's ``make_engine`` may return None (the core's engine), and ``Engine.report`` (what
+     ``lmlab generate`` prints of how the engine decoded). ``ModelParts.exit_layers`` is removed, and
+     ``model.exit_layers``, ``train.exit_loss_weight``, ``train.train_only`` and
+     ``DecodingOptions.exit_threshold`` are refused naming the architecture option each became
+     (``lmlab.api.architecture.MOVED_EARLY_EXIT``).
 """
 
-API_VERSION = "1.18"
+API_VERSION = "1.19"

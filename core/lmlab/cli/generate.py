@@ -2,8 +2,8 @@
 
 One ``--prompt`` streams its continuation; ``--prompts FILE`` (one prompt per line, or JSONL objects
 with a ``"prompt"``) decodes them all as one batch and writes one JSON line per prompt as it
-finishes. Either way the speed (new tokens per second) goes to stderr, and with
-``decoding.exit_threshold`` (early exit) the average exit layer.
+finishes. Either way the speed (new tokens per second) goes to stderr, with what the model's own
+engine reports of how it decoded (``Engine.report``: early exit's average exit layer).
 """
 
 import json
@@ -96,11 +96,7 @@ def main(args) -> int:
                 line["candidates"] = [{"text": text_of(run.tokenizer, t), "score": s} for t, s in c.candidates]
             print(json.dumps(line, ensure_ascii=False))
     sys.stdout.flush()
-    if result.exits is not None:  # early exit: blocks run per token, and what stands for the cache
-        how = f"exit threshold {decoder.options.exit_threshold:g}, average exit layer " \
-              f"{result.exits.mean:.2f} of {result.exits.n_layers}"
-    else:
-        how = f"{cache} cache"
+    how = result.note or f"{cache} cache"  # a model's own engine says what stands for the cache
     print(f"{result.tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} tokens/s "
           f"({len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {decoder.name}, {how})", file=sys.stderr)
     return 0

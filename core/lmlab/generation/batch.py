@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 
-from lmlab.generation.early_exit import EarlyExitDecoding, ExitStats
 from lmlab.generation.engine import make_engine
 from lmlab.generation.outputs import Outputs
 from lmlab.generation.token_ids import run_decoder
@@ -52,7 +51,7 @@ class Generation:
     outputs: Outputs
     seconds: float
     tokens: int  # tokens made, over every prompt
-    exits: ExitStats | None = None  # decoding.exit_threshold: the exit layers (lmlab.generation.early_exit)
+    note: str | None = None  # what the engine says of how it decoded (Engine.report, API 1.19), if anything
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,13 +68,8 @@ def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     longest = max(len(ids) for ids in encoded) + max_new_tokens
-    threshold = getattr(getattr(decoder, "options", None), "exit_threshold", None)
-    if threshold is not None:  # early exit: its own loop, row by row, over per-block caches
-        decoder = EarlyExitDecoding(decoder, model, threshold, longest)
-        engine = None
-    else:
-        engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest, cache=cache,
-                             block_size=block_size, cuda_graph=cuda_graph, compile=compile)
+    engine = make_engine(model, len(prompts) * decoder.rows_per_prompt(), longest, cache=cache,
+                         block_size=block_size, cuda_graph=cuda_graph, compile=compile)
     outputs = Outputs(tokenizer, [max_new_tokens] * len(prompts), stop=[list(stop)] * len(prompts),
                       eos_id=tokenizer.eos_id)
     was_training = model.training
@@ -94,5 +88,6 @@ def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - started
+    report = getattr(engine, "report", None)  # optional in the Engine protocol
     return Generation(outputs, seconds, sum(len(c.tokens) for c in outputs.completions),
-                      decoder.stats if threshold is not None else None)
+                      report() if report is not None else None)

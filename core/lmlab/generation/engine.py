@@ -34,9 +34,11 @@ def make_engine(model, rows: int, max_len: int, cache: str = "contiguous", block
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     own = getattr(model, "make_engine", None)
-    if own is not None:  # decoding that needs more than the shared store
-        return own(rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks, cuda_graph=cuda_graph,
-                   compile=compile)
+    if own is not None:  # decoding that needs more than the shared store (None: not this time)
+        engine = own(rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks, cuda_graph=cuda_graph,
+                     compile=compile)
+        if engine is not None:
+            return engine
     if supports_rows(model):
         return Engine(model, rows, max_len, cache=cache, block_size=block_size, n_blocks=n_blocks,
                       cuda_graph=cuda_graph, compile=compile)

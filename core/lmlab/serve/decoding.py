@@ -76,11 +76,6 @@ def engine_settings(options: DecodingOptions, overrides: list[str], cache: str |
     """The server's cache settings from the decoder's engine options, each taking effect or refused
     (a UserError naming the key): ``--cache`` (``cache``, None when not given) wins over the run's
     recorded ``decoding.cache`` but must agree with a ``--set decoding.cache``."""
-    if options.exit_threshold is not None:
-        # The scheduler batches rows through the whole model; an exit decision is per row and per token.
-        raise UserError("lmlab serve decodes through every layer and cannot exit early; early exit is for "
-                        "lmlab generate: drop decoding.exit_threshold from the run's manifest or overrides",
-                        key="decoding.exit_threshold")
     for name in ("cuda_graph", "compile"):
         if getattr(options, name):
             # Both need a fixed batch of rows; the scheduler's changes at every admission and finish.

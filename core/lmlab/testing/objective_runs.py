@@ -364,7 +364,7 @@ def runs(subject) -> None:
 
 def reports(subject) -> None:
     """After a loss call, in train mode (with its backward) and in eval mode, ``take_reports()`` is a
-    dict of name → (sum, count): each name a lowercase identifier other than loss, ppl, exit_losses
+    dict of name → (sum, count): each name a lowercase identifier other than loss, ppl, exit_losses, extra_losses
     (they become metrics.jsonl's ``train_<name>``/``val_<name>``), each sum a finite one-element
     tensor without a gradient (the core keeps sums over a logging interval: one holding its graph
     would hold every step's activations), each count an int ≥ 1; a second call right after is

@@ -26,18 +26,13 @@ class Schedule:
         return self.plugin.pool(step, self.order)
 
 
-def order_key(variant) -> str:
-    """The manifest key a data-order error names: ``[order]`` is the one spelling of a data order."""
-    return "order.use"
-
-
-def build(order, tokens, objective, starts: np.ndarray, ends: np.ndarray, keep: np.ndarray,
-          key: str = "order.use") -> Schedule | None:
+def build(order, tokens, objective, starts: np.ndarray, ends: np.ndarray, keep: np.ndarray) -> Schedule | None:
     """The schedule ``order`` (an lmlab.api.Order, or None) makes of the training split, or None for
     uniform draws. ``starts``/``ends``: the non-empty documents the sampler draws, ``keep`` which
     entries of ``document_starts`` they are (to pick the objective's score per document)."""
     if order is None:
         return None
+    key = "order.use"
 
     def difficulty() -> np.ndarray | None:
         given = objective.difficulty(tokens.split("train")) if objective is not None else None

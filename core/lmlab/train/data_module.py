@@ -51,10 +51,9 @@ class TokenDataModule(L.LightningDataModule):
     """
 
     def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
-                 seed: int, grad_accum: int, objective=None, replay=None, replay_fraction: float = 0.0,
-                 order=None, order_key: str = "order.use"):
+                 seed: int, grad_accum: int, objective=None, replay=None, order=None):
         super().__init__()
-        self.replay, self.replay_fraction = replay, replay_fraction  # lmlab.train.replay
+        self.replay, self.order = replay, order  # the [init] run's training tokens when the order replays
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.eval_batch_size, self.eval_steps, self.seed = eval_batch_size, eval_steps, seed
         self.grad_accum = grad_accum
@@ -81,7 +80,7 @@ class TokenDataModule(L.LightningDataModule):
             document_starts = tokens.document_starts("train")
             starts, ends = document_spans(tokens.train, document_starts)
             keep = np.diff(np.append(np.asarray(document_starts, dtype=np.int64), len(tokens.train))) > 0
-            self.curriculum = curriculum.build(order, tokens, objective, starts, ends, keep, key=order_key)
+            self.curriculum = curriculum.build(order, tokens, objective, starts, ends, keep)
             self.train_documents = (starts, ends)
             if weights is not None:
                 self.weights = weights[keep]
@@ -106,7 +105,7 @@ class TokenDataModule(L.LightningDataModule):
                                     rich=self.rich, labels=self.labels["train"], curriculum=self.curriculum,
                                     documents=self.train_documents, weights=self.weights, **replicas)
         if self.replay is not None:
-            windows = Replayed(windows, self.replay, self.replay_fraction, self.block_size, self.batch_size,
+            windows = Replayed(windows, self.replay, self.order.replay_share, self.block_size, self.batch_size,
                                self.seed, **replicas)
         # Own generators: iterating a DataLoader draws a seed from its generator, and drawing it from
         # the global one would shift every later dropout mask when a resumed run re-creates it.

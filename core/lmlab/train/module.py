@@ -3,7 +3,6 @@
 import lightning as L
 import torch
 
-from lmlab.api import UserError
 from lmlab.compress.restore import KEY as COMPRESS_KEY
 from lmlab.compress.restore import records_of
 from lmlab.model import compute_loss
@@ -30,10 +29,6 @@ class LMModule(L.LightningModule):
         if peft is not None:  # checkpoints hold the adapter alone (PeftRun.restore checks its entries)
             self.strict_loading = False
         self.parallel = parallel  # the parallel plugin, asked to shard the model under a device mesh
-        # Early exit (model.exit_layers): the exit heads' losses join the head's with this weight.
-        self.exit_weight = getattr(train_cfg, "exit_loss_weight", 1.0)
-        if getattr(train_cfg, "train_only", None) == "exit_heads":
-            train_exit_heads_only(model, peft)
         # A pipeline schedule runs forward and backward itself (Parallel.forward_backward).
         self._plugin_steps = parallel is not None and parallel.runs_forward_backward
         self._pending = None  # the batch whose forward and backward wait for backward()
@@ -62,9 +57,9 @@ class LMModule(L.LightningModule):
         self.last_aux: torch.Tensor | None = None  # its auxiliary loss (e.g. MoE load balancing)
         self._loss_step, self._micro = -1, 0  # the optimizer step last_loss averages over, micro-batches so far
         self.val_loss: float | None = None
-        self.val_exit_losses: list[float] | None = None  # each exit head's, as val_loss (model.exit_layers)
+        self.val_extra_losses: list[float] | None = None  # each of the model's extra_heads', as val_loss
         self.activation_bytes: int | None = None
-        self._val_sum = self._val_count = self._val_exit_sum = None
+        self._val_sum = self._val_count = self._val_extra_sum = None
 
     def __setattr__(self, name: str, value) -> None:
         # Lightning sets bookkeeping attributes (``_current_fx_name``) around every hook call, dozens
@@ -117,12 +112,10 @@ class LMModule(L.LightningModule):
         if self.activation_bytes is None:  # once: what autograd keeps for backward, per micro-batch
             saved = SavedBytes()
             with saved:
-                out = compute_loss(self.model, self.objective, batch, forward=self.train_forward,
-                                   exit_weight=self.exit_weight)
+                out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
             self.activation_bytes = saved.total
         else:
-            out = compute_loss(self.model, self.objective, batch, forward=self.train_forward,
-                               exit_weight=self.exit_weight)
+            out = compute_loss(self.model, self.objective, batch, forward=self.train_forward)
         add_reports(self.train_reports, self.objective.take_reports())
         if self._peft_loss is not None:
             extra = self._peft_loss(self.model)
@@ -191,33 +184,32 @@ class LMModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._val_count = torch.zeros((), dtype=torch.float64, device=self.device)
-        exits = getattr(self.model, "exit_heads", None)
-        self._val_exit_sum = None if exits is None else torch.zeros(len(exits), dtype=torch.float64,
-                                                                    device=self.device)
+        extra = getattr(self.model, "extra_heads", ())
+        self._val_extra_sum = torch.zeros(len(extra), dtype=torch.float64, device=self.device) if extra else None
         self._val_reports = {}
 
     def validation_step(self, windows, batch_idx: int) -> None:
         batch = self.make_batch(windows)
-        exits = None
+        extras = None
         if self._plugin_steps:
             loss = self.parallel.forward_loss(self.model, batch, self.objective.loss)
         else:
             out = compute_loss(self.model, self.objective, batch)
-            loss, exits = out.loss, out.exits
+            loss, extras = out.loss, out.extras
         add_reports(self._val_reports, self.objective.take_reports())
         n = batch.n_scored()
         self._val_sum += loss.double() * n
         self._val_count += n
-        if exits is not None:
-            self._val_exit_sum += exits.double() * n
+        if extras is not None:
+            self._val_extra_sum += extras.double() * n
 
     def on_validation_epoch_end(self) -> None:
         total = self.trainer.strategy.reduce(self._val_sum, reduce_op="sum")
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         self.val_loss = (total / count.clamp(min=1)).item()
-        if self._val_exit_sum is not None:
-            exits = self.trainer.strategy.reduce(self._val_exit_sum, reduce_op="sum")
-            self.val_exit_losses = (exits / count.clamp(min=1)).tolist()
+        if self._val_extra_sum is not None:
+            extras = self.trainer.strategy.reduce(self._val_extra_sum, reduce_op="sum")
+            self.val_extra_losses = (extras / count.clamp(min=1)).tolist()
         self.val_reports = reduce_reports(self._val_reports, self.trainer.strategy, self.device)
 
     def configure_optimizers(self):
@@ -281,21 +273,6 @@ def reduce_reports(reports: dict, strategy, device) -> dict[str, float]:
         means[name] = (pair[0] / pair[1].clamp(min=1)).item()
     reports.clear()
     return means
-
-
-def train_exit_heads_only(model, peft=None) -> None:
-    """``train.train_only = "exit_heads"``: freeze every weight but the exit heads' (early exit on a
-    trained model, as BranchyNet's branches may be trained on a fixed network; Teerapittayanon et al.
-    2016). The tied output head stays frozen with the embedding, so the model's own predictions do
-    not move."""
-    if getattr(model, "exit_heads", None) is None:
-        raise UserError("exit_heads needs exit heads to train: set model.exit_layers (blocks after which an exit "
-                        "head sits)", key="train.train_only")
-    if peft is not None:
-        raise UserError("exit_heads trains the exit heads alone; a [peft] adapter would be another set of trained "
-                        "weights: use one or the other", key="train.train_only")
-    model.requires_grad_(False)
-    model.exit_heads.requires_grad_(True)
 
 
 def grad_norm(optimizer) -> torch.Tensor | None:

@@ -1,19 +1,11 @@
-"""Replay: a share of the fine-tuning rows taken from the pretraining corpus, against forgetting.
-
-Fine-tuning on a narrow task wears away what pretraining taught (catastrophic forgetting, McCloskey &
-Cohen 1989); mixing a little of the pretraining data back into the fine-tuning batches is the
-simplest remedy, and it is standard practice for continued pretraining and instruction tuning
-(e.g. Ouyang et al. 2022, "PPO-ptx"; Ibrahim et al. 2024 replay 1–5 %). ``[data] replay = 0.05``
-replaces each training row, with probability 0.05, by a random window of the ``[init]`` run's own
-training split (its prepared tokens, through the same cache; the tokenizer is the init's, so the ids
-agree). A replayed row is plain text, scored at every token, whatever the objective does with its
-own rows (``sft`` scores only responses), and never padded.
+"""Rows of the ``[init]`` run's own training split mixed into a run's batches, as its data order asks
+(``Order.replay_share``, the first-party ``replay`` order in ``lmlab-order``).
 
 The choice of rows and of windows is drawn for the whole global batch from a generator seeded by
 (seed, step), like every other draw of a batch, so a resumed run replays exactly the same rows and
-each data-parallel replica takes its slice of the global batch's draws.
+each data-parallel replica takes its slice of the global batch's draws. A replayed row is plain text,
+scored at every token (whatever the objective does with its own rows) and never padded.
 """
-
 
 import numpy as np
 import torch
@@ -21,39 +13,50 @@ import torch
 from lmlab.api import UserError, Windows
 from lmlab.train.batches import REPLAY_DRAWS, EndlessBatches
 
+KEY = "order.use"
 
-def replay_corpus(variant, objective):
-    """The [init] run's training tokens when ``data.replay`` asks for them, else None."""
-    fraction = variant.manifest["data"].get("replay") or 0.0
-    if not fraction:
-        return None
-    from lmlab import manifest, pretrained
-    from lmlab.prepare import tokens as token_cache
 
+def check(variant, order, objective) -> None:
+    """An order that replays needs an ``[init] from`` an lmlab run (its prepared corpus is what is
+    replayed) and a causal objective (replayed rows are next-token text)."""
+    from lmlab import pretrained
+
+    if order is None or not order.replays:
+        return
     source = variant.init_source
     if source is None:
-        raise UserError("replays the [init] run's training corpus, and this run has no [init] from = <run>",
-                        key="data.replay")
+        raise UserError(f"order {order.name!r} replays the [init] run's training corpus, and this run has no "
+                        "[init] from = <run>", key=KEY)
     if not objective.causal:
         raise UserError(f"replayed rows are plain text for next-token prediction; objective {objective.name!r} "
-                        "is not causal", key="data.replay")
+                        "is not causal", key=KEY)
     if source.kind != pretrained.RUN:
-        raise UserError(f"needs an lmlab run as [init] (its prepared corpus is what is replayed); "
-                        f"{source.path} is a {source.kind} folder", key="data.replay")
-    (init_variant,) = manifest.load(source.folder / "manifest.toml", recorded=True)
+        raise UserError(f"order {order.name!r} needs an lmlab run as [init] (its prepared corpus is what is "
+                        f"replayed); {source.path} is a {source.kind} folder", key=KEY)
+
+
+def replay_corpus(variant, order, objective):
+    """The [init] run's training tokens when the run's order replays, else None."""
+    if order is None or not order.replays:
+        return None
+    check(variant, order, objective)
+    from lmlab import manifest
+    from lmlab.prepare import tokens as token_cache
+
+    (init_variant,) = manifest.load(variant.init_source.folder / "manifest.toml", recorded=True)
     return token_cache.load_tokens(init_variant).train
 
 
 class Replayed(EndlessBatches):
     """The batches of ``inner`` (which has ``batch(index)``, plain tensors or Windows) with each row,
-    with probability ``fraction``, replaced by a random window of ``corpus``."""
+    with probability ``share(step)``, replaced by a random window of ``corpus``."""
 
-    def __init__(self, inner, corpus, fraction: float, block_size: int, batch_size: int, seed: int,
+    def __init__(self, inner, corpus, share, block_size: int, batch_size: int, seed: int,
                  replica: int = 0, replicas: int = 1, start: int = 0, accum: int = 1):
         if len(corpus) <= block_size + 1:
             raise UserError(f"the [init] run's training split has {len(corpus)} tokens, too few for windows "
-                            f"of {block_size + 1}", key="data.replay")
-        self.inner, self.corpus, self.fraction = inner, corpus, fraction
+                            f"of {block_size + 1}", key=KEY)
+        self.inner, self.corpus, self.share = inner, corpus, share
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.replica, self.replicas, self.start, self.accum = replica, replicas, start, accum
         self._offsets = np.arange(block_size + 1)
@@ -62,7 +65,7 @@ class Replayed(EndlessBatches):
         """(rows of this replica's micro-batch to replace, start of the replayed window of each)."""
         step, first, total = self.slot(index)
         rng = np.random.default_rng([self.seed, REPLAY_DRAWS, step])
-        chosen = rng.random(total) < self.fraction
+        chosen = rng.random(total) < self.share(step)
         starts = rng.integers(0, len(self.corpus) - self.block_size - 1, size=total)
         mine = slice(first, first + self.batch_size)
         rows = np.flatnonzero(chosen[mine])

@@ -18,7 +18,7 @@ from lmlab.api import RunInfo
 from lmlab.api.monitor import RunFailed
 from lmlab.errors import UserError
 from lmlab.hooks import Hooks
-from lmlab.train import adapters, allocator, curriculum, memory
+from lmlab.train import adapters, allocator, memory
 from lmlab.train.control import Control
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
@@ -148,9 +148,8 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     tracker = plugins["tracker"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg.batch_size, cfg.eval_batch_size, cfg.eval_steps,
                                  variant.seed, cfg.grad_accum, objective=plugins["objective"],
-                                 replay=replay_corpus(variant, plugins["objective"]),
-                                 replay_fraction=getattr(variant.options("data"), "replay", 0.0) or 0.0,
-                                 order=plugins.get("order"), order_key=curriculum.order_key(variant))
+                                 replay=replay_corpus(variant, plugins.get("order"), plugins["objective"]),
+                                 order=plugins.get("order"))
     for split, (long, total) in datamodule.too_long.items():
         if long:
             control.note(f"{long:,} of the {total:,} {split} documents ({long / total:.0%}) are longer than "
@@ -303,9 +302,9 @@ def _completed(trainer, module, recorder, compiled: bool) -> dict:
     }
     # Objective.report's figures of the closing evaluation (a reward model's val_accuracy, DPO's margins).
     summary.update({f"val_{name}": value for name, value in module.val_reports.items()})
-    if module.val_exit_losses is not None:  # model.exit_layers: each exit head's loss on the same split
-        layers = module.model.exit_layers
-        summary["val_exit_losses"] = {str(i): loss for i, loss in zip(layers, module.val_exit_losses)}
+    if module.val_extra_losses is not None:  # each extra head's loss on the same split (model.extra_heads)
+        model = module.model
+        summary[f"val_{model.extra_losses_name}"] = dict(zip(model.extra_heads, module.val_extra_losses))
     if module.peft is not None:  # the adapter alone, as written to checkpoints/adapter.safetensors
         summary["adapter_bytes"] = module.peft.adapter_bytes
     if compiled and recorder.first_step_s is not None and summary["tokens_per_s"]:

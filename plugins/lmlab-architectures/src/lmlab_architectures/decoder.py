@@ -6,6 +6,7 @@ A layer pattern names, layer by layer, which mixer each block gets: ``layers = "
 Jamba-style stack, three Mamba layers to each attention layer, repeated to ``model.n_layers``.
 Without a pattern every layer's mixer is the ``[attention]`` slot's (today's model, unchanged).
 
+Early exit is its option (``exit_layers``, ``exit_threshold``; :mod:`lmlab_architectures.early_exit`).
 It reads Hugging Face Llama checkpoints for ``[init] from`` (:mod:`lmlab_architectures.hf_llama`).
 """
 
@@ -13,11 +14,11 @@ from typing import Any
 
 from lmlab.api import Architecture, CheckContext, Field, ModelParts, Options, UserError
 from lmlab.api.architecture import Block, Stack
-from lmlab_architectures import hf_llama
+from lmlab_architectures import early_exit, hf_llama
 from lmlab_architectures.hf_files import ReadsHF
 
 
-class DecoderOptions(Options):
+class PatternOptions(Options):
     layers: str | list[str] = Field(
         "", help="a layer pattern: one label of architecture.mixers per layer (a string of one-letter labels, "
                  "\"MMMA\", or a list of labels), repeated to model.n_layers; empty: every layer's mixer is "
@@ -27,12 +28,17 @@ class DecoderOptions(Options):
                  "[architecture.mixers.<label>]")
 
 
+class DecoderOptions(early_exit.ExitOptions, PatternOptions):
+    """The layer pattern, then early exit's options."""
+
+
 class Decoder(ReadsHF, Architecture):
     """Decoder-only transformer (GPT; encoder-only under a bidirectional objective): pre-norm blocks, x +
     mixer(norm x), then x + ffn(norm x); a layer pattern of mixers makes hybrids."""
 
-    api = ">=1.18,<2"  # Architecture, components
+    api = ">=1.19,<2"  # Stack.extra_heads, add_modules, init_missing; Plugin.free_options
     Options = DecoderOptions
+    free_options = early_exit.FREE_OPTIONS
     families = ("decoder", "encoder")
     components = {"mixers": "attention"}
     #: The block class every layer gets (a subclass of the API's Block wires it another way).
@@ -42,13 +48,20 @@ class Decoder(ReadsHF, Architecture):
 
     def check(self, context: CheckContext) -> None:
         pattern(self.options, context.shape.n_layers)
+        early_exit.check(self.options, context)
 
     def build(self, parts: ModelParts) -> Stack:
         labels = pattern(self.options, parts.shape.n_layers)
         attention = [parts.components["mixers"][label] for label in labels] if labels else parts.attention
-        return Stack(parts.shape, position=parts.position, attention=attention, ffn=parts.ffn, norm=parts.norm,
-                     norm_eps=parts.norm_eps, tie_embeddings=parts.tie_embeddings, causal=parts.family == "decoder",
-                     exit_layers=parts.exit_layers, heads=parts.heads, block=self.block)
+        wiring = dict(position=parts.position, attention=attention, ffn=parts.ffn, norm=parts.norm,
+                      norm_eps=parts.norm_eps, tie_embeddings=parts.tie_embeddings, causal=parts.family == "decoder",
+                      heads=parts.heads, block=self.block)
+        o = self.options
+        early_exit.check_layers(o, parts.shape.n_layers)  # here too: lmlab generate builds without lmlab check
+        if not o.exit_layers:  # today's model: no exit module, state dict or forward step of its own
+            return Stack(parts.shape, **wiring)
+        return early_exit.ExitStack(parts.shape, exit_layers=o.exit_layers, exit_loss_weight=o.exit_loss_weight,
+                                    train_only_exits=o.train_only_exits, exit_threshold=o.exit_threshold, **wiring)
 
 
 def pattern(options: DecoderOptions, n_layers: int) -> list[str]:

@@ -95,7 +95,6 @@ class EncoderDecoderModel(nn.Module):
             self.head.weight = self.tok_emb.weight
         self.dropout = nn.Dropout(shape.dropout) if shape.dropout else nn.Identity()
         self.span = (0, shape.n_layers)
-        self.exit_layers, self.exit_heads = (), None  # early exit is a decoder-only feature
         self.reset_parameters()
         self.heads = nn.ModuleDict(dict(heads)) if heads else None
 
@@ -152,11 +151,9 @@ class EncoderDecoderModel(nn.Module):
         return self.enc_norm(x)
 
     def forward(self, idx: torch.Tensor, cache=None, encoder_ids: torch.Tensor | None = None,
-                encoder_padding: torch.Tensor | None = None, hidden: bool = False, exits: bool = False):
+                encoder_padding: torch.Tensor | None = None, hidden: bool = False):
         """Decoder tokens idx (B, T) → logits (B, T, V), reading ``encoder_ids`` (B, S) through the
         encoder; in decoding, ``cache`` holds each layer's cross-attention keys and values instead."""
-        if exits:
-            raise ValueError("an encoder-decoder model has no exit heads")
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
         cross = getattr(cache, "cross", None)
