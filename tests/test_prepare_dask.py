@@ -31,12 +31,18 @@ def prepare(path: Path, cache: Path, *args: str, timeout: int = 600) -> subproce
 
 
 @needs_stdlib
-def test_two_dask_workers_give_shards_byte_identical_to_the_local_executor(tmp_path):
+def test_two_dask_workers_give_shards_byte_identical_to_the_local_executor(tmp_path, monkeypatch):
     variant = variant_of(encodings_manifest(tmp_path))  # pii, timestamps, exact and near-duplicate removal
     local = pipeline.prepare_corpus(variant, root=tmp_path / "local", workers=1, shard_mb=0.25, listener=quiet)
     events = []
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
     dask = pipeline.prepare_corpus(variant, root=tmp_path / "dask", workers=2, shard_mb=0.25, executor="dask",
                                    listener=lambda e, i: events.append((e, i)))
+    # Dask's nannies set OMP_NUM_THREADS=1 (and more) in the environment of the process that starts
+    # them; left there, every later child of this process (a training run) would be single-threaded.
+    assert dict(os.environ) == before
     assert files_of(dask) == files_of(local)
     (executor,) = [info for event, info in events if event == "executor"]
     assert executor["workers"] == 2 and executor["scheduler"].startswith("tcp://")

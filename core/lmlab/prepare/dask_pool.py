@@ -19,6 +19,7 @@ is used and left running. Each worker builds the filters once and keeps them for
 """
 
 import hashlib
+import os
 import pickle
 from collections import deque
 from pathlib import Path
@@ -65,6 +66,7 @@ class DaskWorkers:
         self.token = hashlib.sha256(pickle.dumps(filters)).hexdigest()[:16]
         self.executor = None  # the distributed.Client, once connected
         self.cluster = None  # the LocalCluster this pool started, if any
+        self._environ: dict[str, str | None] = {}  # this process's values of what Dask's nannies overwrite
         self._local: Worker | None = None
         self._admitters: dict = {}  # corpus-level filter number → its ShuffledAdmitter
 
@@ -84,8 +86,10 @@ class DaskWorkers:
         if self.scheduler is None:
             # Dask's dashboard needs bokeh; without it the local cluster serves none.
             dashboard = ":0" if _has_bokeh() else None
+            self._environ = _nanny_environ()
             self.cluster = LocalCluster(n_workers=self.n, threads_per_worker=1, processes=True,
                                         dashboard_address=dashboard, silence_logs=logging.ERROR)
+            _restore(self._environ)
             self.executor = Client(self.cluster)
         else:
             try:
@@ -182,12 +186,34 @@ class DaskWorkers:
         if self.cluster is not None:
             self.cluster.close()
             self.cluster = None
+            _restore(self._environ)  # again: a nanny that restarted a lost worker set them again
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _nanny_environ() -> dict[str, str | None]:
+    """This process's values of the variables a Dask nanny writes into the environment of the process
+    that starts it, for its worker to inherit (``distributed.nanny.pre-spawn-environ``:
+    OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, ...). Left there, they would make every later child of this
+    process (a training run's, a test's) single-threaded."""
+    import dask
+
+    # and PYTHONHASHSEED, and the parent's pid, which they set beside those
+    keys = set(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {}) | {"PYTHONHASHSEED",
+                                                                                       "__DASK_PARENT_PID"}
+    return {key: os.environ.get(key) for key in keys}
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class Reading:
