@@ -35,11 +35,11 @@ def check(variant, order, objective) -> None:
                         f"replayed); {source.path} is a {source.kind} folder", key=KEY)
 
 
-def replay_corpus(variant, order, objective):
-    """The [init] run's training tokens when the run's order replays, else None."""
+def replay_corpus(variant, order):
+    """The [init] run's training tokens when the run's order replays, else None (:func:`check` has
+    passed: ``run_variant`` checks every variant first)."""
     if order is None or not order.replays:
         return None
-    check(variant, order, objective)
     from lmlab import manifest
     from lmlab.prepare import tokens as token_cache
 

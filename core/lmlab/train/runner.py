@@ -148,7 +148,7 @@ def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, 
     tracker = plugins["tracker"]
     datamodule = TokenDataModule(tokens, shape.block_size, cfg.batch_size, cfg.eval_batch_size, cfg.eval_steps,
                                  variant.seed, cfg.grad_accum, objective=plugins["objective"],
-                                 replay=replay_corpus(variant, plugins.get("order"), plugins["objective"]),
+                                 replay=replay_corpus(variant, plugins.get("order")),
                                  order=plugins.get("order"))
     for split, (long, total) in datamodule.too_long.items():
         if long:
