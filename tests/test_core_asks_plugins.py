@@ -12,6 +12,7 @@ import torch
 from lmlab import discovery
 from lmlab.api import Monitor, Tracker
 from lmlab.diagnose import nonfinite_fixes
+from lmlab.testing import stand_in_run
 from lmlab.train import sweep
 
 
@@ -42,28 +43,28 @@ def only_installed(monkeypatch, slot, classes: dict) -> None:
     monkeypatch.setattr(discovery, "load", lambda s, name, key=None: classes[name])
 
 
-def monitor_fixes(manifest):
-    return [fix for fix in nonfinite_fixes(manifest, None) if fix.key == "monitor.use"]
+def monitor_fixes(uses: list[str]):
+    return [fix for fix in nonfinite_fixes(stand_in_run(monitor=uses), None) if fix.key == "monitor.use"]
 
 
 def test_a_nonfinite_failure_suggests_the_installed_monitor_that_declares_recovery(monkeypatch):
     only_installed(monkeypatch, "monitor", {"a-watcher": Watcher, "steady": Steady})
-    (fix,) = monitor_fixes({"monitor": {"use": ["a-watcher"]}})
+    (fix,) = monitor_fixes(["a-watcher"])
     assert (fix.text, fix.value, fix.also) == ("ride it out", ["a-watcher", "steady"], {"monitor.steady.mode": "ride"})
 
 
 def test_a_run_that_used_a_recovering_monitor_or_has_none_installed_is_not_told_to_add_one(monkeypatch):
     only_installed(monkeypatch, "monitor", {"steady": Steady})
-    assert monitor_fixes({"monitor": {"use": ["steady"]}}) == []
+    assert monitor_fixes(["steady"]) == []
     only_installed(monkeypatch, "monitor", {"a-watcher": Watcher})
-    assert monitor_fixes({"monitor": {"use": []}}) == []
+    assert monitor_fixes([]) == []
 
 
 def test_the_first_party_nan_guard_is_suggested_with_the_action_that_skips():
-    (fix,) = monitor_fixes({"monitor": {"use": ["grad-norm"]}})
+    (fix,) = monitor_fixes(["grad-norm"])
     assert fix.value == ["grad-norm", "nan-guard"] and fix.also == {"monitor.nan-guard.action": "skip"}
     assert "skip non-finite steps" in fix.text
-    assert monitor_fixes({"monitor": {"use": ["nan-guard"]}}) == []
+    assert monitor_fixes(["nan-guard"]) == []
 
 
 def run_folder(tmp_path, *names):

@@ -10,7 +10,8 @@ import torch
 from lmlab import manifest
 from lmlab.api import hookimpl
 from lmlab.cli.main import main
-from lmlab.diagnose import diagnose, late_ranks, heartbeat
+from lmlab.collective_timeout import heartbeat, late_ranks
+from lmlab.diagnose import diagnose
 from lmlab.train.runner import run_variant
 from support import run_cli
 

@@ -197,7 +197,7 @@ def _loss_of_state(variant, result, state) -> float:
     """The fixed-batch loss of the adapted model as it was built (the snapshot), rebuilt from scratch."""
     plugins = {slot: variant.instantiate(slot) for slot in variant.slots}
     model = build_model(variant.model, result.module.model.shape, plugins)
-    plugins["peft"].apply(model, variant.manifest)
+    plugins["peft"].apply(model, variant)
     model.load_state_dict(state, strict=False)
     for key, value in model.state_dict().items():  # strict=False tolerates 4-bit bookkeeping entries only
         assert key in state, key
@@ -247,7 +247,7 @@ def test_the_adapter_file_round_trips_into_a_freshly_adapted_base(tmp_path, base
     plugins = {slot: variant.instantiate(slot) for slot in variant.slots}
     fresh = build_model(variant.model, trained.shape, plugins)
     fresh.load_state_dict(base)
-    plugins["peft"].apply(fresh, variant.manifest)
+    plugins["peft"].apply(fresh, variant)
     missing = fresh.load_state_dict(tensors, strict=False).missing_keys
     assert not [k for k in missing if plugins["peft"].is_adapter_key(k)]
     x = torch.randint(0, trained.vocab_size, (2, 16))
@@ -302,3 +302,27 @@ def test_lora_under_ddp_trains_what_one_device_trains(tmp_path):
     # Two processes with batch B each against one with 2B, step by step; then generate from the run.
     check_parallel_matches_single('use = "ddp"\ndevices = 2\naccelerator = "cpu"', tmp_path, steps=8,
                                   extra_manifest='[peft]\nuse = "lora"\nr = 4\ntargets = "all"\n')
+
+
+def test_assemble_gives_the_model_a_run_trains_with_its_init_weights_and_adapter(tmp_path, base_run):
+    from lmlab.assemble import assemble
+
+    (variant,) = manifest.load(write(tmp_path, base_run, METHODS["lora"], steps=2))
+    run_dir = tmp_path / "runs" / "default"
+    built = assemble(variant, data=True, train_dir=run_dir)
+    init_state, _ = checkpoint.model_state(checkpoint.best_or_last(base_run[0]))
+    state = built.model.state_dict()
+    adapter = {k for k in state if built.peft.is_adapter_key(k)}
+    assert adapter and built.adapter.plugin is built.peft and built.init["format"] == "lmlab run"
+    # Every base weight is the [init]'s, frozen; only the adapter trains.
+    base = {k.replace(".base_layer", ""): v for k, v in state.items() if k not in adapter}
+    assert base.keys() == init_state.keys() and all(torch.equal(base[k], init_state[k]) for k in base)
+    assert {n for n, p in built.model.named_parameters() if p.requires_grad} == adapter
+
+    # And it is the model the run trains: the hook sees the same weights, adapter included.
+    snapshot = Snapshot()
+    torch.manual_seed(variant.seed)
+    again = assemble(variant, data=True, train_dir=tmp_path / "again").model.state_dict()
+    runner.run_variant(variant, run_dir, extra_hooks=[snapshot])
+    assert snapshot.state.keys() == again.keys()
+    assert all(torch.equal(snapshot.state[k], again[k]) for k in again)

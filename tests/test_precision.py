@@ -13,6 +13,7 @@ from lmlab.errors import UserError
 from lmlab import discovery
 from lmlab.api import CheckContext, ModelShape
 from lmlab.train.runner import _trainer
+from lmlab.testing import stand_in_run
 
 
 def losses(run_dir):
@@ -96,7 +97,7 @@ def test_other_precisions_pass_through_as_lightnings_flag():
 
 def test_16_mixed_is_refused_for_the_cpu_before_anything_is_built():
     context = CheckContext(shape=ModelShape(n_layers=1, d_model=8, n_heads=2, block_size=8, vocab_size=16),
-                           plugins={}, manifest={"train": scaler_options().model_dump()})
+                           plugins={}, manifest={}, run=stand_in_run(train={"precision": "16-mixed"}))
     with pytest.raises(UserError, match="train.precision"):
         parallel("single", accelerator="cpu").check(context)
     parallel("single", accelerator="cpu").check(CheckContext(**{**vars(context), "machine": False}))  # plan: no machine

@@ -1,11 +1,13 @@
 """A variant, assembled: the one place that turns a resolved :class:`~lmlab.variant.Variant` into its
 plugins, fitted tokenizer, vocabulary, model shape and model (and, for a trained run, its weights).
 
-Every consumer goes through :func:`assemble`: ``lmlab run`` (with the prepared corpus), ``lmlab plan``
-(on fake tensors), ``lmlab check`` (on the meta device, to run the plugins' checks), and a trained run
-loaded back for ``generate``, ``eval``, ``merge`` and ``rerun``. Each piece is built exactly once;
-:meth:`Assembly.build_model` builds another copy of the same model for the callers that need one (a
-sharded run's main process gathers the weights into one, the planner measures one per dtype).
+Every consumer goes through :func:`assemble`: ``lmlab run`` (with the prepared corpus, the ``[init]``
+weights and the adapter: the model it trains), ``lmlab plan`` (on fake tensors), ``lmlab check`` (on
+the meta device, to run the plugins' checks), and a trained run loaded back for ``generate``,
+``eval``, ``merge`` and ``rerun`` (its compressed structure, base weights and adapter). Each piece is
+built exactly once; :meth:`Assembly.build_model` builds another copy of the same model for the
+callers that need one (a sharded run's main process gathers the weights into one, the planner
+measures one per dtype, with the adapter in place).
 
 The tokenizer comes from one of four places: the token cache, fitted on the variant's training split
 (``data=True``, what a run trains on; a fine-tune's is the ``[init]`` run's own, loaded instead of
@@ -40,24 +42,35 @@ class Assembly:
     tokens: Any = None  # lmlab.prepare.tokens.TokenData, when assembled with data
     checkpoint: Path | None = None  # a trained run: the file its weights came from
     step: int | None = None  # and its step
-    peft: Any = None  # a trained run's applied peft plugin (None without an adapter)
+    peft: Any = None  # the applied peft plugin (None without an adapter)
+    adapter: Any = None  # a training run's lmlab.train.adapters.PeftRun (None without an adapter)
+    init: dict | None = None  # a training run's record of where its [init] weights came from
 
     @property
     def objective(self):
         return self.plugins["objective"]
 
-    def build_model(self) -> LanguageModel:
-        """A new model of the variant (fresh weights on the current default device)."""
-        return build_model(self.variant.model, self.shape, self.plugins, self.vocab.decoder_start_id)
+    def build_model(self, adapted: bool = False) -> LanguageModel:
+        """A new model of the variant (fresh weights on the current default device); ``adapted``: with
+        the variant's peft adapter applied, as the run trains it."""
+        model = build_model(self.variant.model, self.shape, self.plugins, self.vocab.decoder_start_id)
+        peft = self.plugins.get("peft")
+        if adapted and peft is not None:
+            peft.apply(model, self.variant)
+        return model
 
 
 def assemble(variant, *, data: bool = False, run_dir: Path | None = None, model: bool = True,
-             vocabulary_unknown_ok: bool = False, plugins: dict | None = None) -> Assembly:
+             vocabulary_unknown_ok: bool = False, plugins: dict | None = None, train_dir: Path | None = None,
+             resuming: bool = False) -> Assembly:
     """``variant`` assembled: ``data`` prepares the corpus (the token cache) and takes the tokenizer fitted
     on it; ``run_dir`` loads a trained run's tokenizer and the weights of its best (else last) checkpoint;
-    ``model=False`` stops before the model. ``vocabulary_unknown_ok``: never prepare the data for the
-    tokenizer (``lmlab check``), taking a stand-in vocabulary when it cannot say its own unfitted.
-    ``plugins``: the variant's plugin instances, when the caller made them already (the checks)."""
+    ``train_dir``: the model a run trains into that folder, with its ``[init]`` weights and its adapter
+    (``resuming``: it continues from its own checkpoint, which restores the weights; a PEFT run's base
+    comes back from the folder first). ``model=False`` stops before the model.
+    ``vocabulary_unknown_ok``: never prepare the data for the tokenizer (``lmlab check``), taking a
+    stand-in vocabulary when it cannot say its own unfitted. ``plugins``: the variant's plugin
+    instances, when the caller made them already (the checks)."""
     plugins = plugins if plugins is not None else {slot: variant.instantiate(slot) for slot in variant.slots}
     tokenizer, tokens = plugins["tokenizer"], None
     if run_dir is not None:
@@ -67,6 +80,8 @@ def assemble(variant, *, data: bool = False, run_dir: Path | None = None, model:
         from lmlab.prepare.tokens import load_tokens
 
         tokens = load_tokens(variant, tokenizer=tokenizer)  # fitted on the data (or the [init]'s), or cached
+        if plugins["objective"].sampling == "windows":
+            check_windows_fit(tokens, variant.model.block_size)
     elif not knows_vocabulary(tokenizer):
         tokenizer = None  # planned or checked from model.vocab_size, or a stand-in (see vocabulary)
     shape, vocab = vocabulary(variant.model, plugins["objective"], tokenizer, plugins["architecture"])
@@ -76,7 +91,32 @@ def assemble(variant, *, data: bool = False, run_dir: Path | None = None, model:
         out.model = out.build_model()
         if run_dir is not None:
             _load_trained_weights(out, Path(run_dir))
+        elif train_dir is not None:
+            _finish_for_training(out, Path(train_dir), resuming)
     return out
+
+
+def _finish_for_training(out: Assembly, run_dir: Path, resuming: bool) -> None:
+    from lmlab import pretrained
+    from lmlab.train import adapters
+
+    # [init]: the weights a fine-tune starts from, loaded before anything adapts, wraps or shards the model.
+    out.init = pretrained.initialise(out.variant, out.model, run_dir, resuming=resuming)
+    # [peft]: the adapter goes in on top of those weights and freezes them.
+    out.adapter = adapters.apply_peft(out.plugins.get("peft"), out.model, out.variant, run_dir / "checkpoints",
+                                      resuming=resuming)
+    out.peft = out.adapter.plugin if out.adapter is not None else None
+
+
+def check_windows_fit(tokens, block_size: int) -> None:
+    """Each split holds at least one window of block_size + 1 tokens (training draws from a range
+    one longer), or the run is refused before it starts."""
+    for split, needs in (("train", block_size + 2), ("val", block_size + 1)):
+        held = len(getattr(tokens, split))
+        if held < needs:
+            raise UserError(f"the {split} split of the data holds {held:,} tokens, fewer than a window of "
+                            f"block_size + 1 = {block_size + 1} needs; use more data or a smaller model.block_size",
+                            key="model.block_size")
 
 
 def knows_vocabulary(tokenizer) -> bool:

@@ -37,7 +37,7 @@ def run(variant, machine: bool = True) -> CheckContext:
     if peft is not None:
         from lmlab.train.adapters import check_parallel
 
-        check_parallel(peft, variant.manifest)
+        check_parallel(peft, variant)
     try:
         with torch.device("meta"), _without_random_init():
             model = built.build_model()  # the core and the plugins' build methods refuse here
@@ -46,7 +46,7 @@ def run(variant, machine: bool = True) -> CheckContext:
     except (NotImplementedError, RuntimeError, TypeError, ValueError):
         model = None  # a module that cannot be built on the meta device is checked when the run builds it
     context = CheckContext(shape=built.shape, plugins=plugins, manifest=variant.manifest, model=model,
-                           vocabulary_known=built.tokenizer is not None, machine=machine)
+                           vocabulary_known=built.tokenizer is not None, machine=machine, run=variant)
     for slot, value in plugins.items():
         for plugin in value if isinstance(value, list) else [value]:
             plugin.check(context)
@@ -116,7 +116,7 @@ def _check_objective_runs_model(plugins, model) -> None:
     objective = plugins["objective"]
     if not objective.runs_model():
         return
-    if getattr(plugins.get("parallel"), "runs_forward_backward", False):
+    if plugins["parallel"].runs_forward_backward:
         raise UserError(f"objective {objective.name!r} runs the whole model itself (pairs, heads or rollouts), "
                         f"which parallel plugin {plugins['parallel'].name!r} splits into pipeline stages; use "
                         "another parallel plugin", key="parallel.use")

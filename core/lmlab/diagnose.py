@@ -9,24 +9,12 @@ under the error line and ``lmlab doctor`` prints it again later.
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 from lmlab.api.monitor import Diagnosis, Fix, RunFailed
+from lmlab.collective_timeout import collective_timeout, exception_chain, is_collective_timeout
 
 _OOM = re.compile(r"out of memory|can't allocate memory|cannot allocate memory|DefaultCPUAllocator", re.I)
-_TIMEOUT = re.compile(r"timed out|timeout|watchdog caught collective|NCCL|Gloo|ProcessGroup|"
-                      r"Connection (closed|reset) by peer", re.I)
-#: Environment settings worth checking when a collective times out, and why.
-COLLECTIVE_SETTINGS = (
-    ("NCCL_DEBUG=INFO", "NCCL logs each rank's transport and the collective it waits in"),
-    ("TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "a timed-out NCCL collective aborts the process instead of hanging"),
-    ("TORCH_DISTRIBUTED_DEBUG=DETAIL", "torch checks that every rank calls the same collectives in order"),
-    ("NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME", "the network interface the ranks reach each other on"),
-    ("MASTER_ADDR / MASTER_PORT", "where rank 0 listens (every node must reach it)"),
-)
-#: Where ranks record the step they reached, for naming the late one (``heartbeat``).
-HEARTBEAT_DIR = ".ranks"
 
 
 def diagnose(exc: BaseException, variant=None, run_dir: Path | None = None, facts: dict | None = None) -> Diagnosis:
@@ -34,13 +22,12 @@ def diagnose(exc: BaseException, variant=None, run_dir: Path | None = None, fact
     ``activation_bytes``, ``device``, ``first_nonfinite``; ``capacity_bytes`` and ``device_count``
     to diagnose against other than this machine's)."""
     facts = facts or {}
-    manifest = variant.manifest if variant is not None else {}
     if isinstance(exc, RunFailed):
         given = exc.diagnosis
         if given.kind != "non-finite":
             return given
         # A monitor saw it first (nan-guard): the run's learning rate, clipping, precision and fixes join.
-        usual = non_finite(given.cause, manifest, facts)
+        usual = non_finite(given.cause, variant, facts)
         evidence = given.evidence + [line for line in usual.evidence if line not in given.evidence
                                      and not (line.startswith("first non-finite") and "first non-finite" in
                                               " ".join(given.evidence))]
@@ -49,57 +36,51 @@ def diagnose(exc: BaseException, variant=None, run_dir: Path | None = None, fact
     if _is_oom(exc):
         return out_of_memory(exc, variant, facts)
     if type(exc).__name__ == "Diverged" or "non-finite" in text or re.search(r"\bnan\b", str(exc), re.I):
-        return non_finite(str(exc), manifest, facts)
-    if _is_collective_timeout(exc):
-        return collective_timeout(exc, manifest, run_dir, facts.get("late_ranks"))
+        return non_finite(str(exc), variant, facts)
+    if is_collective_timeout(exc):
+        return collective_timeout(exc, variant, run_dir, facts.get("late_ranks"))
     return Diagnosis("error", text.splitlines()[0], evidence=[f"step {facts['step']}"] if "step" in facts else [],
                      fixes=[Fix("read the traceback in the run folder's error.log")])
-
-
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
     return any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) or
-               (isinstance(e, RuntimeError) and _OOM.search(str(e))) for e in _chain(exc))
+               (isinstance(e, RuntimeError) and _OOM.search(str(e))) for e in exception_chain(exc))
 
 
-def _is_collective_timeout(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
-    backend_errors = tuple(c for c in (getattr(dist, "DistBackendError", None), getattr(dist, "DistError", None)) if c)
-    return any((backend_errors and isinstance(e, backend_errors)) or
-               (isinstance(e, (RuntimeError, TimeoutError)) and _TIMEOUT.search(str(e))) for e in _chain(exc))
-
-
-def nonfinite_fixes(manifest: dict, lr: float | None) -> list[Fix]:
-    """What to change after a non-finite loss or gradient, most likely first."""
-    train = manifest.get("train", {})
+def nonfinite_fixes(run, lr: float | None) -> list[Fix]:
+    """What to change after a non-finite loss or gradient, most likely first (``run``: the variant's
+    RunSettings, None when unknown)."""
     fixes = []
-    peak = manifest.get("resolved", {}).get("lr") or manifest.get("optimizer", {}).get("lr")
-    if isinstance(peak, (int, float)):
+    peak = _peak_lr(run)
+    if peak is not None:
         fixes.append(Fix(f"a third of the peak learning rate ({peak:g}): the usual cause is a rate too high",
                          "optimizer.lr", float(f"{peak / 3:.3g}")))
-    if not train.get("grad_clip"):
+    if run is None or not run.grad_clip:
         fixes.append(Fix("clip the gradient norm (0.1·sqrt(n_layers)): one bad batch cannot then blow up the weights",
                          "train.grad_clip", "auto"))
-    if train.get("precision") == "16-mixed":
+    if run is not None and run.train.precision == "16-mixed":
         fixes.append(Fix("bfloat16 has float32's exponent range, so activations and gradients do not overflow",
                          "train.precision", "bf16-mixed"))
-    uses = manifest.get("monitor", {}).get("use", [])
+    uses = list(run.uses("monitor") or ()) if run is not None else []
     recovering = _recovering_monitors()
     if recovering and not any(name in recovering for name in uses):
         name, (what, options) = next(iter(recovering.items()))
         fixes.append(Fix(what, "monitor.use", [*uses, name],
                          also={f"monitor.{name}.{key}": value for key, value in options.items()}))
     return fixes
+
+
+def _peak_lr(run) -> float | None:
+    """The peak learning rate trained with (``[resolved] lr``, else the optimizer's ``lr``)."""
+    if run is None:
+        return None
+    if run.resolved is not None and run.resolved.lr is not None:
+        return run.resolved.lr
+    lr = getattr(run.options("optimizer"), "lr", None) if run.uses("optimizer") else None
+    return float(lr) if isinstance(lr, (int, float)) else None
 
 
 def _recovering_monitors() -> dict:
@@ -118,18 +99,18 @@ def _recovering_monitors() -> dict:
     return found
 
 
-def non_finite(message: str, manifest: dict, facts: dict) -> Diagnosis:
-    train = manifest.get("train", {})
+def non_finite(message: str, run, facts: dict) -> Diagnosis:
     evidence = []
     if facts.get("first_nonfinite"):
         evidence.append(f"first non-finite: {facts['first_nonfinite']}")
     if facts.get("lr") is not None and math.isfinite(facts["lr"]):
         evidence.append(f"learning rate then: {facts['lr']:.3g}")
-    clip = manifest.get("resolved", {}).get("grad_clip", train.get("grad_clip"))
-    evidence.append(f"gradient clipping: {'off' if not clip else f'on, at {clip:g}'}")
-    evidence.append(f"precision: {train.get('precision', '32-true')}")
+    if run is not None:
+        clip = run.grad_clip
+        evidence.append(f"gradient clipping: {'off' if not clip else f'on, at {clip:g}'}")
+        evidence.append(f"precision: {run.train.precision}")
     return Diagnosis("non-finite", message.splitlines()[0], evidence=evidence,
-                     fixes=nonfinite_fixes(manifest, facts.get("lr")))
+                     fixes=nonfinite_fixes(run, facts.get("lr")))
 
 
 def out_of_memory(exc: BaseException, variant, facts: dict) -> Diagnosis:
@@ -275,106 +256,6 @@ def _mb(nbytes) -> str:
     from lmlab.plan.arithmetic import human
 
     return "?" if nbytes is None else human(nbytes)
-
-
-def collective_timeout(exc: BaseException, manifest: dict, run_dir: Path | None, late=None) -> Diagnosis:
-    """``late``: :func:`late_ranks` as read when the failure happened (before the process group was
-    torn down, which may wait for the late rank); read now when not given."""
-    first = str(exc).splitlines()[0][:300]
-    evidence = [first]
-    collective = _which_collective(exc)
-    if collective:
-        evidence.append(f"collective: {collective}")
-    if late is None and run_dir is not None:
-        late = late_ranks(run_dir)
-    cause = "a collective operation timed out: some process did not join it in time"
-    joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
-    if joined:
-        cause = (f"at start-up only {joined.group(1)} of {joined.group(2)} processes joined the process group in "
-                 "time: the others did not start, or cannot reach rank 0")
-    elif late:
-        ranks, detail = late
-        cause = f"a collective operation timed out waiting for rank {', '.join(map(str, ranks))}"
-        evidence.extend(detail)
-    parallel = manifest.get("parallel", {})
-    fixes = [Fix(f"{setting}: {why}") for setting, why in COLLECTIVE_SETTINGS]
-    if "timeout_s" in parallel:
-        fixes.insert(0, Fix("wait longer, if the late rank is slow rather than stuck (a long first step, "
-                            "a slow file system)", "parallel.timeout_s", max(60.0, 4 * float(parallel["timeout_s"]))))
-    return Diagnosis("collective-timeout", cause, evidence=evidence, fixes=fixes)
-
-
-#: Python frames a collective is called from → what it was (innermost match wins).
-_COLLECTIVE_FRAMES = (("barrier", "a barrier"), ("all_gather", "an all-gather"), ("broadcast", "a broadcast"),
-                      ("reduce_scatter", "a reduce-scatter"), ("all_reduce", "an all-reduce"),
-                      ("reduce", "a reduction (the strategy's reduce)"), ("save_checkpoint", "the checkpoint's gather"),
-                      ("backward", "the gradient all-reduce of the backward pass"),
-                      ("setup_environment", "the process group's start-up"))
-
-
-def _which_collective(exc: BaseException) -> str | None:
-    """What was in flight, from the innermost Python frame that names a collective (the backend's
-    message says only recv/send for most), else from the message."""
-    import traceback
-
-    for e in _chain(exc):
-        frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
-        for frame in reversed(frames):
-            for needle, what in _COLLECTIVE_FRAMES:
-                if needle in frame.name:
-                    return f"{what} ({frame.name} at {Path(frame.filename).name}:{frame.lineno})"
-    named = re.search(r"(all_?reduce|allgather|all_gather|broadcast|reduce_scatter|barrier)", str(exc), re.I)
-    return named.group(1) if named else None
-
-
-def heartbeat(run_dir: Path, rank: int, step: int) -> None:
-    """Record that ``rank`` has completed ``step`` optimizer steps and begins the next (whose
-    collectives it is about to join)."""
-    folder = run_dir / HEARTBEAT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".rank{rank}.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "step": step, "time": time.time()}))
-    tmp.replace(folder / f"rank{rank}.json")
-
-
-#: Seconds after the first rank that another must begin the same step to count as late.
-LATE_AFTER_S = 5.0
-
-
-def late_ranks(run_dir: Path) -> tuple[list[int], list[str]] | None:
-    """The ranks that began the fewest steps, or (all at the same step) began it more than
-    ``LATE_AFTER_S`` after the first, with each rank's last record; None without a late one."""
-    folder = run_dir / HEARTBEAT_DIR
-    records = []
-    for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else ():
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    if len(records) < 2:
-        return None
-    lowest = min(r["step"] for r in records)
-    first = min(r["time"] for r in records if r["step"] == lowest)
-    if any(r["step"] != lowest for r in records):
-        late = [r["rank"] for r in records if r["step"] == lowest]
-    else:  # read after the late rank caught up (the process group's teardown waited for it)
-        late = [r["rank"] for r in records if r["time"] - first > LATE_AFTER_S]
-    if not late:
-        return None
-    detail = [f"rank {r['rank']} began step {r['step'] + 1} ({r['step']} completed)"
-              + (f", {r['time'] - first:.0f} s after the first rank" if r["time"] - first > LATE_AFTER_S else "")
-              for r in sorted(records, key=lambda r: r["rank"])]
-    return sorted(late), detail
-
-
-def hang(stacks_file: Path, seconds: float, frames: list[str]) -> Diagnosis:
-    """What the watchdog says when no step completed for ``seconds``."""
-    evidence = [f"no step completed for {seconds:.0f} s", *frames[:6], f"every thread's stack: {stacks_file}"]
-    return Diagnosis("hang", f"the run stopped making progress for {seconds:.0f} s", evidence=evidence,
-                     fixes=[Fix("read the main thread's stack: the innermost lmlab or plugin frame is where it waits"),
-                            Fix("a data source or filter that reads from the network: give it a timeout"),
-                            Fix("in a multi-process run, a rank waiting in a collective: see which rank is behind "
-                                "(NCCL_DEBUG=INFO)")])
 
 
 def render(diagnosis: dict) -> str:

@@ -95,6 +95,14 @@ def find(slot: str, name: str, key: str) -> PluginInfo:
     return candidates[0]
 
 
+def installed_as(slot: str, plugin: type) -> PluginInfo | None:
+    """The installed plugin ``plugin`` (a class with ``name`` set) was loaded as; None for a stand-in
+    that no installed distribution declares (``Variant.with_plugin``)."""
+    if not any(p.name == plugin.name for p in installed().get(slot, [])):
+        return None
+    return find(slot, plugin.name, key=f"{slot}.use")
+
+
 def load(slot: str, name: str, key: str | None = None):
     """Import and check plugin ``name`` of ``slot``; returns its class with ``name`` set."""
     key = key or f"{slot}.use"

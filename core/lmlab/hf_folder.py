@@ -47,7 +47,7 @@ def readers() -> tuple[dict[str, tuple[str, type, str]], list[str]]:
         except UserError:
             broken.append(name)
             continue
-        for model_type, family in getattr(cls, "hf_model_types", {}).items():
+        for model_type, family in cls.hf_model_types.items():
             readers.setdefault(model_type, (name, cls, family))  # the first by name, as installed() sorts
     return readers, broken
 

@@ -205,7 +205,7 @@ def compute_loss(model: LanguageModel, objective, batch, forward=None) -> StepLo
     ``extra_loss_weight`` times the mean of those losses joins the auxiliary loss, while ``loss``
     stays the output head's."""
     run = model if forward is None else forward
-    if getattr(objective, "runs_model", None) is not None and objective.runs_model():
+    if objective.runs_model():
         # The objective runs the (eager) model itself: pairs, heads, rollouts (Objective.forward_loss).
         loss = objective.forward_loss(model, batch)
         aux = model.aux_loss()
@@ -265,11 +265,11 @@ def build_model(model, shape: ModelShape, plugins: dict, decoder_start_id: int |
     arch = plugins["architecture"]
     kind = family(arch, objective)
     for attention in mixer_plugins(plugins):
-        if kind == ENCODER_DECODER and not getattr(attention, "cross_attention", False):
+        if kind == ENCODER_DECODER and not attention.cross_attention:
             raise UserError(f"attention plugin {attention.name!r} has no cross-attention, which an encoder-decoder "
                             "model's decoder needs; use one that declares it (Attention.cross_attention: mha, gqa, "
                             "mqa)", key="attention.use")
-        if kind != DECODER and not getattr(attention, "bidirectional", False):
+        if kind != DECODER and not attention.bidirectional:
             who = "an encoder-decoder model's encoder" if kind == ENCODER_DECODER else \
                 f"objective {objective.name!r}"
             raise UserError(f"attention plugin {attention.name!r} is causal only, and {who} needs bidirectional "

@@ -44,6 +44,7 @@ from lmlab.upgrade import upgrade_recorded
 from lmlab.checkpoint import problem as checkpoint_problem
 from lmlab.errors import UserError
 from lmlab.tables import read_toml, validate_options
+from lmlab.variant import InitSource
 
 #: The tables an init decides.
 GOVERNED = ("model", "architecture", "position", "attention", "ffn", "tokenizer")
@@ -52,17 +53,7 @@ FREE_MODEL_KEYS = frozenset({"dropout", "block_size", "init_std"})
 RUN = "lmlab run"
 
 
-@dataclass(frozen=True)
-class Source:
-    path: Path  # what init.from names
-    kind: str  # RUN or HUGGING_FACE with the family's name
-    folder: Path  # the run folder or the Hugging Face folder
-    weights: tuple[Path, ...]  # the checkpoint file, or the safetensors files
-    tokenizer_dir: Path  # what the tokenizer plugin's load() reads
-    reader: str | None = None  # the architecture plugin that reads a Hugging Face folder
-
-
-def locate(path: Path, checkpoint: str = "best") -> Source:
+def locate(path: Path, checkpoint: str = "best") -> InitSource:
     """What ``init.from`` names, checked for the files a run needs (a UserError naming init.from)."""
     path = Path(path).resolve()  # "exp/../runs/x" reads better as "runs/x", in messages and records
 
@@ -75,7 +66,7 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
             raise refuse("is a file, but not a checkpoint of a run folder (<run>/checkpoints/<name>.ckpt)")
         _check_finished(run, refuse)
         _check_readable(path, refuse)
-        return Source(path, RUN, run, (path,), _run_tokenizer(run, refuse))
+        return InitSource(path, RUN, run, (path,), _run_tokenizer(run, refuse))
     if not path.is_dir():
         raise refuse("no such run folder, checkpoint or Hugging Face folder")
     if (path / "manifest.toml").is_file():
@@ -89,7 +80,7 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
             raise refuse(f"the run holds no checkpoints/{checkpoint}.ckpt"
                          f"{' or last.ckpt' if checkpoint == 'best' else ''} (it never reached one)")
         _check_readable(found[0], refuse)
-        return Source(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
+        return InitSource(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
     if (path / "config.json").is_file():
         name, reader, family = reader_for(path, refuse)
         weights = reader.hf_weight_files(path)
@@ -101,7 +92,7 @@ def locate(path: Path, checkpoint: str = "best") -> Source:
         if not (path / "tokenizer.json").is_file():
             raise refuse("a Hugging Face folder without tokenizer.json (the `hf` tokenizer reads the fast-tokenizer "
                          "file; AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
-        return Source(path, HUGGING_FACE.format(family=family), path, tuple(weights), path, name)
+        return InitSource(path, HUGGING_FACE.format(family=family), path, tuple(weights), path, name)
     runs = sorted(p.name for p in path.iterdir() if (p / "manifest.toml").is_file())
     if runs:
         raise refuse(f"holds the runs of a sweep; name one of them ({', '.join(runs[:3])}"
@@ -131,7 +122,7 @@ def _run_tokenizer(run: Path, refuse) -> Path:
     return run / "tokenizer"
 
 
-def source_tables(source: Source) -> dict[str, dict]:
+def source_tables(source: InitSource) -> dict[str, dict]:
     """The init's [model], [architecture], [position], [attention], [ffn] and [tokenizer] tables."""
     if source.kind == RUN:
         recorded = upgrade_recorded(read_toml(source.folder / "manifest.toml"))
@@ -175,7 +166,7 @@ def build(tables: dict):
 
 # -- validation -------------------------------------------------------------------------------------
 
-def merge_tables(manifest: dict, source: Source, explicit: list[str] | None, base_dir: Path) -> dict:
+def merge_tables(manifest: dict, source: InitSource, explicit: list[str] | None, base_dir: Path) -> dict:
     """``manifest`` with the init's tables in place of its own; a UserError naming the key for a value
     the manifest sets (``explicit``: the dotted keys the user gave; None: every key present) that the
     init contradicts. ``source`` is where [init] from was found (:func:`locate`)."""
@@ -197,7 +188,7 @@ def _user_keys(table: str, values: dict, explicit: list[str] | None) -> list[str
     return [k for k in values if f"{table}.{k}" in explicit or any(e.startswith(f"{table}.{k}.") for e in explicit)]
 
 
-def _check_agreement(table: str, theirs: dict, mine: dict, source: Source, base_dir: Path) -> None:
+def _check_agreement(table: str, theirs: dict, mine: dict, source: InitSource, base_dir: Path) -> None:
     from lmlab import discovery
     from lmlab.config import CORE_TABLES
 

@@ -17,14 +17,19 @@ SOURCE_DIR = Path(__file__).resolve().parent
 
 
 def plugins(variant) -> dict:
-    """slot → {name, distribution, version} of each plugin the variant uses (many-valued slots: a list);
+    """slot → {name, distribution, version} of each plugin the variant uses (many-valued slots: a list;
+    a stand-in that no entry point provides, ``Variant.with_plugin``'s, records its class instead);
     a plugin composed of others (``Architecture.components``) lists them under ``components``, by the
     dotted key of their table below the slot (``mixers.M``)."""
     from lmlab import discovery
 
     def entry(slot: str, choice) -> dict:
-        info = discovery.find(slot, choice.name, key=f"{slot}.use")
-        out = {"name": choice.name, "distribution": info.distribution, "version": info.version}
+        info = discovery.installed_as(slot, choice.plugin)
+        if info is None:  # a stand-in no manifest can name (Variant.with_plugin): where its code is
+            out = {"name": choice.name, "distribution": None, "version": None,
+                   "class": f"{choice.plugin.__module__}:{choice.plugin.__qualname__}"}
+        else:
+            out = {"name": choice.name, "distribution": info.distribution, "version": info.version}
         declared = getattr(choice.plugin, "components", None) or {}
         nested = {f"{field}.{label}": entry(declared[field], inner)
                   for field, chosen in choice.components.items() for label, inner in chosen.items()}

@@ -89,7 +89,7 @@ def _architecture_from_model(recorded: dict) -> dict:
     names the plugin when one of that name builds it (an encoder-decoder); else the slot's default
     builds it (a decoder, or an encoder under its objective)."""
     from lmlab import discovery
-    from lmlab.config import MOVED_TO_ARCHITECTURE
+    from lmlab.api.run import MOVED_TO_ARCHITECTURE
     from lmlab.slots import DEFAULT_PLUGINS
 
     model = recorded.get("model")

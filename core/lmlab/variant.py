@@ -4,7 +4,8 @@ and what everything else reads.
 Every default is filled in: the core's tables are their Options classes (``train.min_lr``,
 ``decay_steps`` and ``eval_batch_size`` resolved to the values a run uses), each slot holds the
 plugin class chosen for it with its validated options, and a fine-tune's ``[init]`` is located once.
-``manifest`` is the same as the nested dict that ``manifest.toml`` records and plugins receive.
+Plugins receive it as what it implements, :class:`lmlab.api.run.RunSettings`; ``manifest`` is the
+same as the nested dict that ``manifest.toml`` records.
 """
 
 import dataclasses
@@ -14,12 +15,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lmlab.api import Options, Plugin
+from lmlab.api.run import InitOptions, ModelOptions, ResolvedOptions, RunSettings, TrainOptions
 from lmlab.slots import MANY_SLOTS, SLOTS
-
-if TYPE_CHECKING:  # the types only: resolution imports them anyway, and importing a Variant should not
-    from lmlab.config import InitOptions, ModelOptions, ResolvedOptions, TrainOptions
 
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
 
@@ -30,11 +30,23 @@ def seedless(variant_name: str) -> str:
 
 
 @dataclass(frozen=True)
+class InitSource:
+    """Where a fine-tune's ``init.from`` was found (:func:`lmlab.pretrained.locate`)."""
+
+    path: Path  # what init.from names
+    kind: str  # lmlab.pretrained.RUN, or HUGGING_FACE with the family's name
+    folder: Path  # the run folder or the Hugging Face folder
+    weights: tuple[Path, ...]  # the checkpoint file, or the safetensors files
+    tokenizer_dir: Path  # what the tokenizer plugin's load() reads
+    reader: str | None = None  # the architecture plugin that reads a Hugging Face folder
+
+
+@dataclass(frozen=True)
 class Choice:
     """The plugin chosen for a slot, with its validated options."""
 
-    plugin: type  # a subclass of the slot's lmlab.api base class, ``name`` set by discovery
-    options: Any  # an instance of ``plugin.Options`` (frozen)
+    plugin: type[Plugin]  # a subclass of the slot's lmlab.api base class, ``name`` set by discovery
+    options: Options  # an instance of ``plugin.Options`` (frozen)
     # The plugins the options' nested tables name (``Architecture.components``): field → label → choice.
     components: Mapping[str, Mapping[str, "Choice"]] = field(default_factory=dict)
 
@@ -57,21 +69,20 @@ class Choice:
 
 
 @dataclass(frozen=True)
-class Variant:
+class Variant(RunSettings):
     """One run of a manifest."""
 
     name: str  # the variant's readable name: attention.use=gqa,seed=1 ("default" without a sweep)
     experiment: str  # the manifest's name: runs go to runs/<experiment>/<name>/
     seed: int
     description: str
-    model: "ModelOptions"
-    train: "TrainOptions"
+    model: ModelOptions
+    train: TrainOptions
     slots: Mapping[str, Choice | tuple[Choice, ...]]  # slot → its choice (many-valued slots: a tuple)
-    resolved: "ResolvedOptions | None" = None  # what grad_clip = "auto" and lr_scaling give
+    resolved: ResolvedOptions | None = None  # what grad_clip = "auto" and lr_scaling give
     base_dir: Path = Path(".")  # the manifest's folder: relative paths resolved against it
-    init: "InitOptions | None" = None  # a fine-tune's [init], or None
-    init_source: Any = None  # lmlab.pretrained.Source: where init.from was found (located once; pretrained
-    # builds models, which read variants: naming its type here would close an import cycle)
+    init: InitOptions | None = None  # a fine-tune's [init], or None
+    init_source: InitSource | None = None  # where init.from was found (located once)
     sweep: Mapping[str, Any] = field(default_factory=dict)  # this point's [sweep] settings
     notes: tuple[str, ...] = ()  # what resolution changed that the user should know
     peer_keys: tuple[str, ...] = ()  # dotted keys of every variant of the same manifest (for trackers)
@@ -121,8 +132,13 @@ class Variant:
         """What ``train.lr_scaling`` multiplies the optimizer's learning rates by."""
         return self.resolved.lr_factor if self.resolved is not None else 1.0
 
-    def options(self, slot: str, plugin: str | None = None):
-        """The validated Options instance of a slot's plugin (``plugin``: which, in a many-valued slot)."""
+    def uses(self, slot: str) -> str | tuple[str, ...] | None:
+        chosen = self.slots.get(slot)
+        if chosen is None:
+            return None
+        return tuple(c.name for c in chosen) if isinstance(chosen, tuple) else chosen.name
+
+    def options(self, slot: str, plugin: str | None = None) -> Options:
         chosen = self.slots[slot]
         if isinstance(chosen, tuple):
             return next(c for c in chosen if c.name == plugin).options

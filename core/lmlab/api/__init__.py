@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.peft import Peft, module_roles, resolve_roles
     from lmlab.api.plugin import Plugin
     from lmlab.api.position import Position, PositionModule
+    from lmlab.api.run import InitOptions, ModelOptions, ResolvedOptions, RunSettings, TrainOptions
     from lmlab.api.runs import ObjectiveContext, TrainedRun
     from lmlab.api.shape import ModelShape
     from lmlab.api.table import Table
@@ -122,6 +123,11 @@ _EXPORTS = {
     "Plugin": "lmlab.api.plugin",
     "Position": "lmlab.api.position",
     "PositionModule": "lmlab.api.position",
+    "InitOptions": "lmlab.api.run",
+    "ModelOptions": "lmlab.api.run",
+    "ResolvedOptions": "lmlab.api.run",
+    "RunSettings": "lmlab.api.run",
+    "TrainOptions": "lmlab.api.run",
     "ObjectiveContext": "lmlab.api.runs",
     "TrainedRun": "lmlab.api.runs",
     "ModelShape": "lmlab.api.shape",

@@ -177,7 +177,7 @@ class Architecture(Plugin):
 
 
 _BUILDING = {"Stack": ("lmlab.model", "LanguageModel"), "Block": ("lmlab.block", "Block"),
-             "build_norm": ("lmlab.norms", "build_norm"), "CHECKPOINTING": ("lmlab.config", "CHECKPOINTING"),
+             "build_norm": ("lmlab.norms", "build_norm"), "CHECKPOINTING": ("lmlab.api.run", "CHECKPOINTING"),
              "num_params": ("lmlab.block", "num_params"), "param_infos": ("lmlab.block", "param_infos")}
 
 

@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmlab.api.run import RunSettings
 from lmlab.api.shape import ModelShape
 
 
@@ -21,7 +22,8 @@ class CheckContext:
     plugins: Mapping[str, Any]
     """Slot → the variant's plugin instance (a list for many-valued slots)."""
     manifest: Mapping[str, Any]
-    """The resolved manifest (every default filled in), nested: ``manifest["train"]["precision"]``."""
+    """The resolved manifest as nested JSON values (``manifest["train"]["precision"]``): kept for
+    plugins written before API 1.20, until 2.0; read ``run`` instead."""
     model: Any = None
     """The variant's model built on the meta device (every module and parameter shape, no memory),
     or None when some module cannot be built there."""
@@ -32,3 +34,6 @@ class CheckContext:
     """Whether to check against this machine's devices: True from ``lmlab check`` and ``lmlab run``;
     False when the variant is checked for other machines (a plan), where device counts and
     accelerators must not be judged by this one's."""
+    run: RunSettings | None = None
+    """The variant, typed (API 1.20): ``run.train.precision``, ``run.uses("parallel")``. Always set by
+    the core and by ``lmlab.testing``; None only in a context a plugin's own test builds without it."""

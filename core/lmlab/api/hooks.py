@@ -38,14 +38,15 @@ class LifecycleSpec:
         """
 
     @hookspec
-    def lmlab_model_built(self, model: Any, manifest: dict) -> None:
+    def lmlab_model_built(self, model: Any, manifest: dict, run: Any) -> None:
         """Called once per variant in every process after the model is assembled, initialised, given
         its starting weights (``[init]``) and its PEFT adapter, before training (and before
         ``torch.compile`` and any sharding by the parallel plugin). May modify the model in place.
 
         Args:
             model: The assembled language model, on the CPU, in training mode.
-            manifest: The variant's resolved manifest.
+            manifest: The variant's resolved manifest, as nested JSON values (read ``run`` instead).
+            run: The variant, typed: a [RunSettings][lmlab.api.run.RunSettings] (API 1.20).
         """
 
     @hookspec

@@ -14,9 +14,12 @@ logged (a ``.item()`` is a host sync) and does nothing costly until it has somet
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmlab.api.plugin import Plugin
+
+if TYPE_CHECKING:
+    from lmlab.api.run import RunSettings
 
 #: The failure kinds the core and the first-party monitors diagnose; a plugin may use others.
 FAILURE_KINDS = ("out-of-memory", "collective-timeout", "non-finite", "hang", "error")
@@ -105,8 +108,11 @@ class RunControl:
     run_dir: Path
     """The variant's run folder (made by the core when training starts: a monitor that writes there
     earlier creates it)."""
+    run: "RunSettings"
+    """The variant, typed (API 1.20): ``control.run.train.max_steps``, ``control.run.uses("parallel")``."""
     manifest: dict
-    """The variant's resolved manifest."""
+    """The variant's resolved manifest as nested JSON values: kept for plugins written before API
+    1.20, until 2.0; read ``run`` instead."""
     is_main: bool
     """Whether this is the main (rank 0) process."""
     rank: int

@@ -149,7 +149,7 @@ class Parallel(Plugin):
         if isinstance(options, LaunchOptions):
             options.processes()
         device = self.device_type()
-        if context.manifest["train"]["precision"] == "16-mixed" and device == "cpu":
+        if context.run.train.precision == "16-mixed" and device == "cpu":
             raise UserError("16-mixed (float16 autocast with loss scaling) needs a GPU; on the CPU use bf16-mixed",
                             key="train.precision")
 
@@ -174,6 +174,12 @@ class Parallel(Plugin):
         plain model: checkpoints hold the gathered full state dict under those names, which
         ``lmlab generate`` loads into a single-device model.
         """
+
+    holds_whole_state: ClassVar[bool] = True
+    """Whether every process holds the whole model's weights and optimizer state as plain tensors
+    (one device, data parallelism), so that ``RunControl.rollback`` can restore a checkpoint in place.
+    A layout that shards or splits them (FSDP, ZeRO, tensor or pipeline parallelism) sets False: a
+    rollback is then refused, and so is a monitor that would roll back. (API 1.20)"""
 
     runs_forward_backward: ClassVar[bool] = False
     """True for a layout that runs the model's forward and backward passes itself, as a pipeline

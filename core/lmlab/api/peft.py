@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from lmlab.api.run import RunSettings
+
 
 class Peft(Plugin):
     """One PEFT method. The defaults describe "no adapter": the whole model trains as without a
@@ -38,7 +40,7 @@ class Peft(Plugin):
     """The ``parallel.use`` plugins this method works under; a run that combines it with another is
     refused before it starts (``lmlab check`` too), with a UserError naming ``peft.use``. None: any."""
 
-    def apply(self, model: "nn.Module", manifest: dict[str, Any]) -> None:
+    def apply(self, model: "nn.Module", run: "RunSettings") -> None:
         """Insert the adapter into ``model`` in place and freeze every parameter that is not part of
         it (``requires_grad = False``).
 
@@ -53,7 +55,9 @@ class Peft(Plugin):
         Args:
             model: The assembled language model (``blocks``, each with ``attn`` and ``ffn``: see
                 [module_roles][lmlab.api.peft.module_roles]).
-            manifest: The variant's resolved manifest (``manifest["train"]["max_steps"]``, ...).
+            run: The variant, typed (``run.train.max_steps``, ``run.options("parallel")``). Before
+                API 1.20 this was the nested manifest, which ``run["train"]["max_steps"]`` still reads
+                until 2.0.
 
         Raises:
             UserError: A target this model does not have, naming the option.

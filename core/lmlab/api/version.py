@@ -194,6 +194,17 @@ and raise the bound when the plugin starts to use a newer one.
      ``model.exit_layers``, ``train.exit_loss_weight``, ``train.train_only`` and
      ``DecodingOptions.exit_threshold`` are refused naming the architecture option each became
      (``lmlab.api.architecture.MOVED_EARLY_EXIT``).
+
+1.20: One typed run (``lmlab.api.run``): ``RunSettings``, the resolved variant plugins read instead of the
+     nested manifest (``run.train.max_steps``, ``run.model.d_model``, ``run.uses(slot)``,
+     ``run.options(slot)``), with the core's tables as Options classes (``ModelOptions``,
+     ``TrainOptions``, ``InitOptions``, ``ResolvedOptions``). ``CheckContext.run``, ``RunControl.run``,
+     the ``run`` argument of the ``lmlab_model_built`` hook; ``Peft.apply(model, run)`` receives it in
+     place of the manifest. Deprecated, removed in 2.0: ``CheckContext.manifest`` and
+     ``RunControl.manifest``, and reading the run as a dict (``run["train"]["max_steps"]``), which is
+     how a peft plugin written before 1.20 keeps working. ``lmlab.testing.stand_in_run`` makes one for a
+     plugin's own tests. ``Parallel.holds_whole_state``: whether every process holds the whole weights
+     and optimizer state (False: a rollback is refused), asked instead of the plugin's name.
 """
 
-API_VERSION = "1.19"
+API_VERSION = "1.20"

@@ -50,7 +50,7 @@ def main(args) -> int:
     records = []
     for doc in run.variant.instantiate("data").documents():
         if not isinstance(doc, Record):
-            raise UserError(f"data plugin {run.variant.manifest['data']['use']!r} yields plain text, not "
+            raise UserError(f"data plugin {run.variant.uses('data')!r} yields plain text, not "
                             "prompt/response records (use e.g. alpaca)", key="data.use")
         records.append(doc)
         if args.limit is not None and len(records) >= args.limit:
@@ -75,7 +75,7 @@ def _records(run, args) -> list:
     records = []
     for doc in run.variant.instantiate("data").documents():
         if not isinstance(doc, Record):
-            raise UserError(f"data plugin {run.variant.manifest['data']['use']!r} yields plain text, not records",
+            raise UserError(f"data plugin {run.variant.uses('data')!r} yields plain text, not records",
                             key="data.use")
         records.append(doc)
         if args.limit is not None and len(records) >= args.limit:

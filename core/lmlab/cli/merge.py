@@ -47,7 +47,7 @@ def main(args) -> int:
         plain_keys = set(run.build_model().state_dict())
     checkpoint = run.checkpoint
     if plugin is None:
-        raise UserError(f"its peft plugin {variant.manifest['peft']['use']!r} added no adapter: the checkpoint "
+        raise UserError(f"its peft plugin {variant.uses('peft')!r} added no adapter: the checkpoint "
                         "already holds the whole model", key=str(run_dir))
 
     model.eval()

@@ -122,8 +122,8 @@ def report_fit(plan, capacity: float, text: str) -> bool:
         print(f"fits: {human(total)} of {text} per device ({100 * total / capacity:.0f} %)")
         return True
     print(f"WARNING: {plan.name} does not fit: needs {human(total)} per device, more than --device-mem {text} "
-          f"by {human(total - capacity)} (peak during {plan.device.peak_phase}); shard more (fsdp, deepspeed "
-          f"stage 2/3), use more devices, a smaller batch_size with grad_accum, or checkpointing",
+          f"by {human(total - capacity)} (peak during {plan.device.peak_phase}); shard more (a parallel plugin "
+          f"that shards: `lmlab plugins parallel`), use more devices, a smaller batch_size with grad_accum, or checkpointing",
           file=sys.stdout)
     return False
 

@@ -90,10 +90,13 @@ class CannotPlan(UserError):
     """A variant whose model cannot be measured on fake tensors; ``lmlab plan`` goes on with the others."""
 
 
-def _apply_peft_to_fake(peft, model, manifest: dict) -> None:
+def _build_fake(built):
+    """``built``'s model as a run trains it (with its adapter), on fake tensors."""
+    if built.plugins.get("peft") is None:
+        return built.build_model()
     try:
         with _no_op_conversions():
-            peft.apply(model, manifest)
+            return built.build_model(adapted=True)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         # A parameter that is a tensor subclass of its own (a 4-bit quantised weight) cannot wrap a fake tensor.
         raise CannotPlan(f"cannot be measured on fake tensors ({str(exc).splitlines()[0]}); plan the same "
@@ -213,7 +216,7 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
     if peft is not None:
         from lmlab.train.adapters import check_parallel
 
-        check_parallel(peft, variant.manifest)
+        check_parallel(peft, variant)
 
     mode = fake_mode()
 
@@ -224,14 +227,11 @@ def plan_variant(variant, world_size: int | None = None) -> VariantPlan:
         default = torch.get_default_dtype()
         torch.set_default_dtype(getattr(torch, dtype))
         try:
-            with contextlib.nullcontext() if not fake else mode:
-                model = built.build_model()
-                # A frozen base and a trainable adapter: gradients and optimizer states are the adapter's.
-                if peft is not None and fake:
-                    _apply_peft_to_fake(peft, model, variant.manifest)
-                elif peft is not None:
-                    peft.apply(model, variant.manifest)
-                return model
+            # A frozen base and a trainable adapter: gradients and optimizer states are the adapter's.
+            if not fake:
+                return built.build_model(adapted=True)
+            with mode:
+                return _build_fake(built)
         finally:
             torch.set_default_dtype(default)
 

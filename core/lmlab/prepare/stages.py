@@ -45,7 +45,7 @@ class Build:
         self.pool = pool  # a pool started earlier by the caller, or None
         tok_cls = variant.plugins["tokenizer"]
         self.tokenizer = PluginSpec(tok_cls, tok_cls.name, variant.options("tokenizer"))
-        self.val_fraction = variant.manifest["data"]["val_fraction"]
+        self.val_fraction = variant.options("data").val_fraction
         fraction = Fraction(self.val_fraction).limit_denominator(10**6)
         self.p, self.q = fraction.numerator, fraction.denominator
         self.shard_bytes = shard_bytes

@@ -177,6 +177,10 @@ adapter trains, that the adapter round-trips and, for a plugin that merges, that
 
     def test_my_adapter_conforms():
         check_peft(MyAdapter, {"r": 4})
+
+What the core hands a plugin about the run it is part of (``CheckContext.run``, ``RunControl.run``,
+``Peft.apply``'s ``run``) is a :class:`lmlab.api.RunSettings`; :func:`stand_in_run` makes one for a
+plugin's own tests: ``stand_in_run(train={"log_every": 5}, parallel="single")``.
 """
 
 from collections.abc import Iterable
@@ -191,6 +195,7 @@ from lmlab.testing.objective import check_objective
 from lmlab.testing.parallel import check_parallel_matches_single
 from lmlab.testing.peft import check_peft, tiny_model
 from lmlab.testing.reference import ReferenceAttention, ReferenceFFN, ReferencePosition, reference_model
+from lmlab.testing.stand_in import stand_in_run
 
 #: slot → (the Subject class that builds its modules, name → check function)
 SLOTS = {
@@ -317,5 +322,5 @@ __all__ = [
     "check_architecture", "check_attention", "check_compress", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
     "check_parallel_matches_single", "check_plan_matches_measured", "check_plugin",
     "check_objective", "check_plugin_class", "check_position", "check_tokenizer", "check_tracker",
-    "check_peft", "iter_checks", "reference_model", "tiny_model",
+    "check_peft", "iter_checks", "reference_model", "stand_in_run", "tiny_model",
 ]

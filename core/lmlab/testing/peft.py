@@ -26,10 +26,13 @@ import torch
 
 from lmlab.api import Peft, UserError
 from lmlab.testing.common import DEFAULT_SHAPE, fail
+from lmlab.testing.stand_in import stand_in_run
 
 ARCHITECTURES = (("gqa", "mlp"), ("gqa", "swiglu"))
-#: What ``Peft.apply`` receives as the manifest in these checks.
-MANIFEST = {"train": {"max_steps": 20}, "parallel": {"use": "single"}}
+
+def kit_run():
+    """What ``Peft.apply`` receives as the run in these checks."""
+    return stand_in_run(train={"max_steps": 20}, parallel="single")
 
 
 def tiny_model(attention: str = "gqa", ffn: str = "mlp", position: str = "learned", shape=DEFAULT_SHAPE,
@@ -60,7 +63,7 @@ def adapted(plugin_cls, options: dict | None, attention: str = "gqa", ffn: str =
     model = copy.deepcopy(base)
     with torch.random.fork_rng():
         torch.manual_seed(seed + 1)
-        plugin.apply(model, MANIFEST)
+        plugin.apply(model, kit_run())
     return plugin, base, model.eval()
 
 

@@ -88,25 +88,25 @@ class PeftRun:
         self.plugin.load_extra_state(info.get("state") or {})
 
 
-def check_parallel(plugin: Peft, manifest: dict) -> None:
+def check_parallel(plugin: Peft, run) -> None:
     """Refuse a parallel strategy the peft plugin does not support, naming peft.use."""
-    parallel = manifest.get("parallel", {}).get("use")
+    parallel = run.uses("parallel")
     if plugin.parallel is not None and parallel not in plugin.parallel:
         raise UserError(f"peft plugin {plugin.name!r} works under parallel {', '.join(plugin.parallel)}, not "
                         f"{parallel!r} (its adapter and checkpoints are not made for a sharded or split model)",
                         key="peft.use")
 
 
-def apply_peft(plugin: Peft | None, model: torch.nn.Module, manifest: dict, ckpt_dir: Path,
+def apply_peft(plugin: Peft | None, model: torch.nn.Module, run, ckpt_dir: Path,
                resuming: bool) -> PeftRun | None:
     """Apply the variant's peft plugin to the freshly built (and initialised) ``model``; None when the
     run has no adapter. ``resuming``: the run continues from ``ckpt_dir/last.ckpt``, so its base
     weights are loaded from ``ckpt_dir/base.safetensors`` before the adapter goes in."""
     if plugin is None:
         return None
-    check_parallel(plugin, manifest)
+    check_parallel(plugin, run)
     if type(plugin).is_adapter_key is Peft.is_adapter_key:  # declares no adapter (none, hooks only)
-        plugin.apply(model, manifest)
+        plugin.apply(model, run)
         return None
     base_path = ckpt_dir / BASE_FILE
     if resuming and base_path.is_file():
@@ -117,7 +117,7 @@ def apply_peft(plugin: Peft | None, model: torch.nn.Module, manifest: dict, ckpt
         data = fresh = _serialise(model.state_dict(), {"format": "lmlab base weights"})
     sha = hashlib.sha256(data).hexdigest()
     del data
-    plugin.apply(model, manifest)
+    plugin.apply(model, run)
     keys = {k for k in model.state_dict() if plugin.is_adapter_key(k)}
     if not keys:
         return None
@@ -162,7 +162,7 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
                         key=str(base_path))
     model.load_state_dict(_deserialise(data)[0])
     del data
-    plugin.apply(model, variant.manifest)
+    plugin.apply(model, variant)
     adapter = state_of(checkpoint)
     _same_adapter(set(adapter), {k for k in model.state_dict() if plugin.is_adapter_key(k)}, str(ckpt_path))
     model.load_state_dict(adapter, strict=False)

@@ -15,9 +15,10 @@ from lmlab.diagnose import nonfinite_fixes
 
 
 class Control(RunControl):
-    def __init__(self, run_dir: Path, manifest: dict, grad_clip: float, rank: int = 0, is_main: bool = True):
-        self.run_dir, self.manifest, self.rank, self.is_main = run_dir, manifest, rank, is_main
-        self._grad_clip = grad_clip
+    def __init__(self, run_dir: Path, run, rank: int = 0, is_main: bool = True):
+        self.run_dir, self.run, self.rank, self.is_main = run_dir, run, rank, is_main
+        self.manifest = run.manifest  # API < 1.20
+        self._grad_clip = run.grad_clip
         self.module = None  # the LMModule, once the run has one
         self.failure: Diagnosis | None = None  # set by fail(): the run ends failed with it
         self.skipping = False  # this step is to be left out
@@ -51,10 +52,11 @@ class Control(RunControl):
         from lmlab import checkpoint
 
         trainer, module = self._trainer(), self.module
-        if getattr(module, "_parallelised", False) or type(trainer.strategy).__name__.startswith("DeepSpeed"):
-            raise RunFailed(Diagnosis("non-finite", f"{reason}, and a sharded model cannot be rolled back in place",
+        if module.parallel is not None and not module.parallel.holds_whole_state:
+            raise RunFailed(Diagnosis("non-finite", f"{reason}, and parallel plugin {module.parallel.name!r} shards or "
+                                      "splits the model, which cannot be rolled back in place",
                                       fixes=[Fix("stop instead, and resume from the last checkpoint with a lower "
-                                                 "learning rate", "monitor.nan-guard.action", "stop")]))
+                                                 "learning rate")]))
         ckpt_dir = self.run_dir / "checkpoints"
         for name in ("last.ckpt", "best.ckpt"):
             path = ckpt_dir / name
@@ -72,7 +74,7 @@ class Control(RunControl):
             optimizer.load_state_dict(state["optimizer_states"][0])
         elif not all(torch.isfinite(p).all() for p in module.model.parameters() if p.is_floating_point()):
             raise RunFailed(Diagnosis("non-finite", f"{reason}, and there is no finite checkpoint to roll back to "
-                                      "yet", fixes=nonfinite_fixes(self.manifest, self.lr)))
+                                      "yet", fixes=nonfinite_fixes(self.run, self.lr)))
         # else: no checkpoint yet, but the skipped steps left the weights as the last good step made
         # them, which is the newest finite state there is: it stays, and only the rate is lowered.
         # Lower the schedule's peak (LambdaLR multiplies each group's initial_lr by the factor), so the

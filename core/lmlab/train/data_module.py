@@ -13,17 +13,6 @@ from lmlab.train.batches import (FixedDocuments, FixedWindowBatches, FixedWindow
 from lmlab.train.replay import Replayed
 
 
-def check_windows_fit(tokens, block_size: int) -> None:
-    """Each split holds at least one window of block_size + 1 tokens (training draws from a range
-    one longer), or the run is refused before it starts."""
-    for split, needs in (("train", block_size + 2), ("val", block_size + 1)):
-        held = len(getattr(tokens, split))
-        if held < needs:
-            raise UserError(f"the {split} split of the data holds {held:,} tokens, fewer than a window of "
-                            f"block_size + 1 = {block_size + 1} needs; use more data or a smaller model.block_size",
-                            key="model.block_size")
-
-
 def count_too_long(tokens, block_size: int) -> dict[str, tuple[int, int]]:
     """For an objective that leaves out documents a row cannot hold whole (``drops_truncated``): per
     split, how many of its non-empty documents are longer than ``block_size`` tokens (a row of
@@ -47,7 +36,8 @@ class TokenDataModule(L.LightningDataModule):
 
     With an ``objective`` that asks for Windows, its ``token_labels`` are set up here, once per split
     (which is where a corpus that cannot serve it is refused), and batches are Windows of random or
-    fixed windows, or of padded documents; otherwise plain (B, T+1) tensors.
+    fixed windows, or of padded documents; otherwise plain (B, T+1) tensors. That each split holds a
+    window was checked where the tokens were loaded (``lmlab.assemble``).
     """
 
     def __init__(self, tokens, block_size: int, batch_size: int, eval_batch_size: int, eval_steps: int,
@@ -66,8 +56,6 @@ class TokenDataModule(L.LightningDataModule):
         if self.sampling == "documents" and not self.rich:
             raise TypeError(f"objective {objective.name!r} samples padded documents, so it must override "
                             "make_batch_from (only Windows say where the padding is)")
-        if self.sampling == "windows":
-            check_windows_fit(tokens, block_size)
         # split → (documents too long for a row, non-empty documents), where the objective drops those.
         self.too_long = (count_too_long(tokens, block_size)
                          if self.sampling == "documents" and objective.drops_truncated else {})

@@ -22,7 +22,7 @@ import torch
 
 from lmlab import checkpoint, signals
 from lmlab.api.monitor import StepTiming
-from lmlab.diagnose import heartbeat, late_ranks
+from lmlab.collective_timeout import heartbeat, late_ranks
 from lmlab.train.checkpoint_io import replace
 from lmlab.rundir import MetricsLog
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from lmlab import checkpoint, checks, objective_runs, pretrained, provenance, signals
+from lmlab import checkpoint, checks, objective_runs, provenance, signals
 from lmlab.assemble import assemble
 from lmlab.api import RunInfo
 from lmlab.api.monitor import RunFailed
 from lmlab.errors import UserError
 from lmlab.hooks import Hooks
-from lmlab.train import adapters, allocator, memory
+from lmlab.train import allocator, memory
 from lmlab.train.control import Control
 from lmlab.train.memory import optimizer_state_bytes, state_bytes
 from lmlab.train.replay import replay_corpus
@@ -43,7 +43,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=(), ch
     """
     started = time.perf_counter()
     attempt = {"recorded": False}  # whether this attempt's summary.json has been written
-    control = Control(run_dir, variant.manifest, variant.grad_clip, rank=_rank(), is_main=is_main_process())
+    control = Control(run_dir, variant, rank=_rank(), is_main=is_main_process())
     try:
         return _run(variant, run_dir, resume, extra_hooks, started, attempt, checked, control)
     except UserError:
@@ -103,32 +103,24 @@ def _run_end(hooks, status: str, control) -> dict:
 
 def _train(variant, run_dir: Path, resume: bool, started: float, attempt: dict, checked, control,
            hooks) -> RunResult:
-    import lightning as L
-
     from lmlab.train.checkpoint_io import RunFolderCheckpointIO
-    from lmlab.train.data_module import TokenDataModule, check_windows_fit
+    from lmlab.train.data_module import TokenDataModule
     from lmlab.train.module import LMModule
     from lmlab.train.recorder import RunRecorder
 
     cfg = variant.train
-    # The plugins, the corpus and the tokenizer fitted on it, the vocabulary (the objective's special
-    # tokens may grow it past the tokenizer's: mlm's [MASK]), the shape and the freshly initialised model.
-    built = assemble(variant, data=True, plugins=dict(checked.plugins))
-    plugins, tokens, shape, model = built.plugins, built.tokens, built.shape, built.model
-    if plugins["objective"].sampling == "windows":
-        check_windows_fit(tokens, shape.block_size)
     # The newest readable checkpoint (a damaged last.ckpt falls back to best.ckpt, with a warning).
     ckpt_path = checkpoint.resume_point(run_dir) if resume else None
-    # [init]: the weights a fine-tune starts from, loaded before anything adapts, wraps or shards the
-    # model; a resumed run continues from its own checkpoint instead (Lightning loads it below).
-    init = pretrained.initialise(variant, model, run_dir, resuming=ckpt_path is not None)
-    # [peft]: the adapter goes in on top of those weights and freezes them; a resumed run reloads the
-    # base it recorded first (lmlab.train.adapters). None when the run trains the whole model.
-    peft = adapters.apply_peft(plugins.get("peft"), model, variant.manifest, run_dir / "checkpoints",
-                               resuming=ckpt_path is not None)
+    # The plugins, the corpus and the tokenizer fitted on it, the vocabulary (the objective's special
+    # tokens may grow it past the tokenizer's: mlm's [MASK]), the shape, and the model with its [init]
+    # weights and adapter; a resumed run continues from its own checkpoint (Lightning loads it below).
+    built = assemble(variant, data=True, plugins=dict(checked.plugins), train_dir=run_dir,
+                     resuming=ckpt_path is not None)
+    plugins, tokens, shape, model, init, peft = (built.plugins, built.tokens, built.shape, built.model, built.init,
+                                                 built.adapter)
     for plugin in _instances(plugins):  # any the assembly added
         hooks.register(plugin)
-    hooks.call("lmlab_model_built", model=model, manifest=variant.manifest)
+    hooks.call("lmlab_model_built", model=model, manifest=variant.manifest, run=variant)
     model.set_checkpointing(cfg.checkpointing)
     # Other runs the objective works with (a frozen reference, a reward model, a teacher), loaded once.
     companions = objective_runs.prepare(variant, plugins["objective"], tokens.tokenizer, plugins.get("decoding"))

@@ -33,7 +33,8 @@ def lmlab(*args, **kwargs):
 def test_fsdp_is_a_parallel_plugin_with_documented_options_that_needs_the_configure_model_hook():
     assert issubclass(FSDP, Parallel)
     assert FSDP.configure_model is not Parallel.configure_model
-    assert FSDP.api == ">=1.7,<2"  # LaunchOptions.timeout_s
+    assert FSDP.api == ">=1.20,<2"  # holds_whole_state
+    assert not FSDP.holds_whole_state  # a rollback is refused
     for field in FSDP.Options.model_fields.values():
         assert field.description
 

@@ -1,6 +1,7 @@
 import pytest
 
 from lmlab.api import CheckContext, ModelShape, Parallel, UserError
+from lmlab.testing import stand_in_run
 from lmlab_modelparallel.pipeline import PipelineParallel
 
 
@@ -11,8 +12,8 @@ def make(**options) -> PipelineParallel:
 def built(plugin: PipelineParallel, n_layers: int, batch_size: int = 4) -> None:
     """The check lmlab runs before anything is built, for a model of ``n_layers`` blocks."""
     shape = ModelShape(n_layers=n_layers, d_model=8, n_heads=2, block_size=8, vocab_size=16)
-    plugin.check(CheckContext(shape=shape, plugins={}, manifest={"train": {"batch_size": batch_size,
-                                                                            "precision": "32-true"}}))
+    plugin.check(CheckContext(shape=shape, plugins={}, manifest={},
+                              run=stand_in_run(train={"batch_size": batch_size, "precision": "32-true"})))
 
 
 def test_pipeline_is_a_parallel_plugin_that_runs_forward_and_backward_itself():

@@ -15,6 +15,7 @@ import pytest
 from lmlab.api import UserError
 from lmlab.testing.runs import main
 from lmlab_monitors.emissions import Emissions, EmissionsOptions
+from lmlab.testing import stand_in_run
 
 codecarbon = pytest.importorskip("codecarbon")
 
@@ -105,7 +106,7 @@ def _codecarbon_timers_stop(wait_s: float = 2.0) -> bool:
 class _Control:
     def __init__(self, run_dir):
         self.run_dir, self.is_main, self.rank = run_dir, True, 0
-        self.manifest = {"name": "unit"}
+        self.run = stand_in_run(experiment="unit")
         self.notes: list[str] = []
 
     def note(self, text: str) -> None:

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from lmlab_monitors.grad_norm import HIGH_MEANING, LOW_MEANING, GradNorm, GradNormOptions, group_of
+from lmlab.testing import stand_in_run
 
 
 class FakeControl:
     def __init__(self, log_every: int = 1, max_steps: int = 1000):
-        self.manifest = {"train": {"log_every": log_every, "max_steps": max_steps}}
+        self.run = stand_in_run(train={"log_every": log_every, "max_steps": max_steps})
         self.notes: list[str] = []
 
     def note(self, text: str) -> None:

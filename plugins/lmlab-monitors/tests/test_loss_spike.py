@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from lmlab_monitors.loss_spike import LossSpike, LossSpikeOptions, detrended_std
+from lmlab.testing import stand_in_run
 
 
 class FakeControl:
     def __init__(self, log_every: int):
-        self.manifest = {"train": {"log_every": log_every}}
+        self.run = stand_in_run(train={"log_every": log_every})
         self.notes: list[str] = []
 
     def note(self, text: str) -> None:

@@ -9,13 +9,14 @@ import torch
 
 from lmlab_monitors import memory
 from lmlab_monitors.memory import Memory, MemoryOptions
+from lmlab.testing import stand_in_run
 
 MIB = 2 ** 20
 
 
 class FakeControl:
     def __init__(self):
-        self.manifest = {}
+        self.run = stand_in_run()
         self.notes: list[str] = []
 
     def note(self, text: str) -> None:

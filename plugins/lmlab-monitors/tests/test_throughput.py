@@ -8,14 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from lmlab.api import StepTiming
+from lmlab.api import LaunchOptions, StepTiming
+from lmlab.testing import stand_in_run
 from lmlab_monitors import throughput
 from lmlab_monitors.throughput import (Throughput, ThroughputOptions, flops_per_token, gpu_peak, matmul_params)
 
 
 class FakeControl:
-    def __init__(self, manifest: dict):
-        self.manifest = manifest
+    def __init__(self, run):
+        self.run = run
         self.notes: list[str] = []
 
     def note(self, text: str) -> None:
@@ -37,7 +38,8 @@ class Tiny(nn.Module):
             self.head.weight = self.tok_emb.weight
 
 
-MANIFEST = {"model": {"n_layers": 2, "d_model": 8, "block_size": 16}, "train": {"precision": "32-true"}}
+MODEL = {"n_layers": 2, "d_model": 8, "n_heads": 2, "block_size": 16}
+RUN = stand_in_run(model=MODEL, train={"precision": "32-true"}, parallel="single")
 
 
 def test_matmul_params_count_the_head_but_not_the_lookups():
@@ -46,7 +48,7 @@ def test_matmul_params_count_the_head_but_not_the_lookups():
 
 
 def test_mfu_against_a_hand_computation():
-    control = FakeControl(MANIFEST)
+    control = FakeControl(RUN)
     m = Throughput(ThroughputOptions(peak_tflops=2.0))
     m.lmlab_run_start(control=control)
     model, loss = Tiny(tied=True), torch.tensor(1.0)
@@ -81,7 +83,7 @@ def run_windows(m, control, windows: list[list[tuple[float, float]]], step: int 
 
 
 def test_data_wait_share_per_window_and_its_warning():
-    control = FakeControl(MANIFEST)
+    control = FakeControl(RUN)
     m = Throughput(ThroughputOptions(peak_tflops=1.0, data_wait_warn=0.4))
     first = [(1.0, 0.9)] * 5  # start-up: never judged
     fine = [(1.0, 0.1)] * 9 + [(5.0, 4.9)]  # one step after an evaluation: the median ignores it
@@ -106,7 +108,7 @@ def test_data_wait_share_per_window_and_its_warning():
 
 
 def test_low_mfu_warning_is_off_by_default_and_fires_when_set():
-    control = FakeControl(MANIFEST)
+    control = FakeControl(RUN)
     m = Throughput(ThroughputOptions(peak_tflops=1000.0))
     run_windows(m, control, [[(1.0, 0.0)]] * 6)
     assert control.notes == []
@@ -138,8 +140,7 @@ def test_gpu_table_lookup(name, precision, tf32, peak):
 
 def test_gpu_peak_is_looked_up_by_the_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
-    manifest = {**MANIFEST, "train": {"precision": "bf16-mixed"}}
-    control = FakeControl(manifest)
+    control = FakeControl(stand_in_run(model=MODEL, train={"precision": "bf16-mixed"}, parallel="single"))
     m = Throughput(ThroughputOptions())
     m._resolve(Tiny(tied=True), torch.device("cuda", 0), control)
     assert (m.peak, m.peak_source) == (312.0, "table")
@@ -163,7 +164,7 @@ def test_cpu_peak_is_measured_once_and_cached(monkeypatch, tmp_path):
     assert cached[key]["tflops"] == 0.125
 
     # Through the hooks: measured (from the cache here) in lmlab_run_start, on a CPU run.
-    control = FakeControl({**MANIFEST, "parallel": {"accelerator": "cpu"}})
+    control = FakeControl(stand_in_run(model=MODEL, parallel=("single", LaunchOptions(accelerator="cpu"))))
     m = Throughput(ThroughputOptions())
     m.lmlab_run_start(control=control)
     metrics = run_windows(m, control, [[(1.0, 0.0)]])

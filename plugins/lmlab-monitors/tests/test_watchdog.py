@@ -13,6 +13,7 @@ from lmlab.api import DataOptions, DataSource, Field, RunFailed, hookimpl
 from lmlab.testing.runs import main
 from lmlab.testing.runs import load_variant, run_variant
 from lmlab_monitors.watchdog import Watchdog, WatchdogOptions
+from lmlab.testing import stand_in_run
 
 
 def wait_for_remote_shard(seconds: float = 60.0) -> None:
@@ -159,7 +160,7 @@ def test_a_healthy_run_completes_and_leaves_no_thread(tiny_manifest, tmp_path):
 class FakeControl:
     def __init__(self, run_dir, max_steps: int = 100):
         self.run_dir, self.rank, self.is_main = run_dir, 0, True
-        self.manifest = {"train": {"max_steps": max_steps}}
+        self.run = stand_in_run(train={"max_steps": max_steps})
         self.notes: list[str] = []
         self.failures: list = []
 

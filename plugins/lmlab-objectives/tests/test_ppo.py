@@ -18,6 +18,7 @@ from lmlab.testing.runs import load_variant, main, run_variant
 from lmlab_objectives.ppo import (PPO, VALUE, gae, masked_whiten, ppo_losses, response_logps, rollout_tensors,
                                   shaped_rewards)
 from lmlab_objectives.reward_model import RewardModel
+from lmlab.testing import stand_in_run
 
 ROOT = Path(__file__).resolve().parents[3]
 V, D = 12, 8
@@ -241,7 +242,7 @@ def test_a_batch_without_a_prompt_to_answer_has_zero_loss_and_reports_no_samples
 
 def check_context(decoder="sample", grad_accum=1, **decoding):
     options = SimpleNamespace(**{"temperature": 0.7, "top_k": None, "top_p": None, **decoding})
-    return SimpleNamespace(shape=SHAPE, manifest={"train": {"grad_accum": grad_accum}},
+    return SimpleNamespace(shape=SHAPE, run=stand_in_run(train={"grad_accum": grad_accum}),
                            plugins={"decoding": SimpleNamespace(name=decoder, options=options)})
 
 

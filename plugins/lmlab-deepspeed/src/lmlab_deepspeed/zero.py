@@ -194,7 +194,8 @@ class DeepSpeedZeRO(Parallel):
     over the ranks (DeepSpeed ZeRO, through a Lightning ``DeepSpeedStrategy``)."""
 
     Options = DeepSpeedOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s, trainer_precision; resolved (1.15), update_rule, memory_savings (1.16) where there
+    api = ">=1.20,<2"  # holds_whole_state; LaunchOptions.timeout_s, trainer_precision (1.7); resolved (1.15), update_rule, memory_savings (1.16) where there
+    holds_whole_state = False  # ZeRO partitions the optimizer state (and, from stage 3, the weights)
 
     def trainer_kwargs(self) -> dict[str, Any]:
         o = self.options

@@ -61,7 +61,8 @@ class FullyShardedDataParallel(Parallel):
     """Parameters, gradients and optimizer state sharded across processes; units gathered as needed."""
 
     Options = FSDPOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s; memory_savings (1.16) where there
+    api = ">=1.20,<2"  # holds_whole_state; LaunchOptions.timeout_s (1.7); memory_savings (1.16) where there
+    holds_whole_state = False
 
     def trainer_kwargs(self) -> dict[str, Any]:
         from datetime import timedelta

@@ -65,8 +65,9 @@ class PipelineParallel(Parallel):
     """Consecutive blocks on consecutive processes; micro-batches flow through (GPipe, 1F1B)."""
 
     Options = PipelineOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s, Plugin.check; configure_model, runs_forward_backward, clip_grad_norm, pipeline_stage
+    api = ">=1.20,<2"  # CheckContext.run; LaunchOptions.timeout_s, Plugin.check (1.7); configure_model, runs_forward_backward, clip_grad_norm, pipeline_stage
     runs_forward_backward = True
+    holds_whole_state = False
     stages_key, stages_from = "parallel.devices", "one per process: devices × num_nodes"
 
     def __init__(self, options=None):
@@ -111,7 +112,7 @@ class PipelineParallel(Parallel):
     def check_stages(self, context, stages: int) -> None:
         """Refuse ``stages`` stages the model's blocks or the batch's micro-batches cannot make."""
         self.bounds(context.shape.n_layers, stages)
-        m, batch = self.microbatches(stages), context.manifest["train"]["batch_size"]
+        m, batch = self.microbatches(stages), context.run.train.batch_size
         if batch % m:
             raise UserError(f"must divide train.batch_size ({batch}); got {m}", key="parallel.n_microbatches")
         if self.options.schedule == "1f1b" and m < stages:

@@ -51,7 +51,8 @@ class TensorParallel(Parallel):
     """Layers split across devices by heads and hidden units (Megatron-LM), FSDP across the rest."""
 
     Options = TensorParallelOptions
-    api = ">=1.7,<2"  # LaunchOptions.timeout_s, Plugin.check; configure_model, clip_grad_norm, tensor_parallel_plan
+    api = ">=1.20,<2"  # holds_whole_state; LaunchOptions.timeout_s, Plugin.check (1.7); configure_model, clip_grad_norm, tensor_parallel_plan
+    holds_whole_state = False
 
     def sizes(self) -> tuple[str, int, int, int]:
         """(accelerator, processes per node, data-parallel size, tensor-parallel size)."""

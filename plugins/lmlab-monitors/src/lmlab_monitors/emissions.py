@@ -63,7 +63,7 @@ class Emissions(Monitor):
     """Energy (kWh) and emissions (kg CO2) of the run, from codecarbon, offline."""
 
     Options = EmissionsOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor
+    api = ">=1.20,<2"  # RunControl.run; lmlab.api.monitor (1.7)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -121,7 +121,7 @@ class Emissions(Monitor):
             electricitymaps_api_token="",  # "" and not None: None would fall back to a configured token
             cloud_provider=None, cloud_region=None, country_2letter_iso_code=None,
             output_dir=str(control.run_dir), output_file="emissions.csv", on_csv_write="append",
-            project_name=str(control.manifest.get("name", "lmlab")),
+            project_name=control.run.experiment,
             measure_power_secs=o.measure_power_secs, tracking_mode="process", log_level="error",
             # codecarbon's single-instance lock is a file in $TMPDIR and SIGINT/SIGTERM handlers that
             # would replace lmlab's own: runs in one process (a sweep, the tests) each have a tracker.

@@ -74,7 +74,7 @@ class GradNorm(Monitor):
     """``grad-norm``: logs the pre-clip gradient norm and warns when it stays outside its band."""
 
     Options = GradNormOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor
+    api = ">=1.20,<2"  # RunControl.run; lmlab.api.monitor (1.7)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -88,9 +88,7 @@ class GradNorm(Monitor):
 
     @hookimpl
     def lmlab_run_start(self, control):
-        train = control.manifest.get("train", {})
-        self._log_every = int(train.get("log_every", 1))
-        self._max_steps = int(train.get("max_steps", 0))
+        self._log_every, self._max_steps = control.run.train.log_every, control.run.train.max_steps
 
     def logs_at(self, step: int) -> bool:
         """Whether ``lmlab_train_batch_end`` logs at ``step`` (the core's rule)."""

@@ -59,7 +59,7 @@ class LossSpike(Monitor):
     """``loss-spike``: counts loss spikes and warns about each, and about persistent noise."""
 
     Options = LossSpikeOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor
+    api = ">=1.20,<2"  # RunControl.run; lmlab.api.monitor (1.7)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -74,7 +74,7 @@ class LossSpike(Monitor):
     @hookimpl
     def lmlab_run_start(self, control):
         # Room for the losses between two logging steps, so the buffer never waits for a sync.
-        self._capacity = int(control.manifest.get("train", {}).get("log_every", 1))
+        self._capacity = control.run.train.log_every
 
     @hookimpl
     def lmlab_train_batch_end(self, step, loss, log, control):

@@ -38,7 +38,7 @@ class NanGuard(Monitor):
     """Stops, or skips and rolls back, at the first non-finite loss or gradient, naming the module."""
 
     Options = NanGuardOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor; nonfinite_recovery (1.18) where there
+    api = ">=1.20,<2"  # CheckContext.run; lmlab.api.monitor (1.7), nonfinite_recovery (1.18)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -53,10 +53,10 @@ class NanGuard(Monitor):
 
     def check(self, context) -> None:
         o = self.options
-        parallel = context.manifest.get("parallel", {}).get("use")
-        if o.action == "skip" and o.rollback_after and parallel in ("fsdp", "deepspeed", "tensor", "pipeline", "3d"):
+        parallel = context.plugins.get("parallel")
+        if o.action == "skip" and o.rollback_after and parallel is not None and not parallel.holds_whole_state:
             raise UserError(f"rolling back restores whole weights in place, which a sharded or split model "
-                            f"(parallel {parallel!r}) cannot; set rollback_after = 0, or action = \"stop\" and "
+                            f"(parallel {parallel.name!r}) cannot; set rollback_after = 0, or action = \"stop\" and "
                             "resume", key="monitor.nan-guard.rollback_after")
 
     @hookimpl

@@ -29,7 +29,6 @@ move, and leaves out the first logging window (the data loader starting up).
 """
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -212,7 +211,7 @@ class Throughput(Monitor):
     """``throughput``: logs MFU, achieved TFLOP/s and the data-wait share of each logging window."""
 
     Options = ThroughputOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor
+    api = ">=1.20,<2"  # RunControl.run; lmlab.api.monitor (1.7)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -234,20 +233,19 @@ class Throughput(Monitor):
         if self.peak is not None:
             return
         try:
-            parallel = control.manifest.get("parallel", {})
-            kind = resolve_devices(parallel.get("accelerator", "auto"), 1)[0]
+            parallel = control.run.options("parallel")
+            kind = resolve_devices(getattr(parallel, "accelerator", "auto"), 1)[0]
         except Exception:  # noqa: BLE001 - the device is known for sure at the first step
             return
         if kind == "cpu":
             self._cpu_peak = cpu_peak()  # here, before the first step's clock starts
 
     def _resolve(self, model, device: torch.device, control) -> None:
-        shape = control.manifest.get("model", {})
-        self.flops_per_token = flops_per_token(matmul_params(model), int(shape.get("n_layers", 0)),
-                                               int(shape.get("d_model", 0)), int(shape.get("block_size", 0)))
+        shape = control.run.model
+        self.flops_per_token = flops_per_token(matmul_params(model), shape.n_layers, shape.d_model, shape.block_size)
         if self.peak is not None:
             return
-        precision = control.manifest.get("train", {}).get("precision", "32-true")
+        precision = control.run.train.precision
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
             tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32

@@ -61,7 +61,7 @@ class Watchdog(Monitor):
     """Writes every thread's stack when no step completes in time, then stops the run or warns."""
 
     Options = WatchdogOptions
-    api = ">=1.7,<2"  # lmlab.api.monitor
+    api = ">=1.20,<2"  # RunControl.run; lmlab.api.monitor (1.7)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -81,7 +81,7 @@ class Watchdog(Monitor):
     def lmlab_run_start(self, control):
         self._control = control
         self._run_thread = threading.get_ident()
-        self._max_steps = control.manifest.get("train", {}).get("max_steps")
+        self._max_steps = control.run.train.max_steps
         self.progress = (time.monotonic(), None)
         self.final_phase, self.hangs = False, 0
         self._stopped.clear()

@@ -231,7 +231,7 @@ class PPO(Objective):
     """``ppo``: clipped policy-gradient steps on sampled responses scored by a reward model."""
 
     Options = PPOOptions
-    api = ">=1.10,<2"  # forward_loss, heads, needs_runs, prepare, report
+    api = ">=1.20,<2"  # CheckContext.run; forward_loss, heads, needs_runs, prepare, report (1.10)
     sampling = "documents"
     needs_runs = ("reward_run", "reference")
 
@@ -249,7 +249,7 @@ class PPO(Objective):
         if o.reward_run is None:
             raise UserError("ppo needs a reward model: set objective.reward_run to the folder of a run trained with "
                             "objective reward-model", key="objective.reward_run")
-        if o.ppo_epochs > 1 and context.manifest.get("train", {}).get("grad_accum", 1) > 1:
+        if o.ppo_epochs > 1 and context.run.train.grad_accum > 1:
             raise UserError(f"ppo reuses each rollout for ppo_epochs = {o.ppo_epochs} optimizer steps, and each "
                             "accumulated micro-batch would be a rollout of its own: set train.grad_accum = 1 (or "
                             "objective.ppo_epochs = 1)", key="train.grad_accum")

@@ -39,9 +39,9 @@ class AdaLoRA(LibraryMethod):
     Options = AdaLoRAOptions
     tuner_class = "AdaLoraModel"
 
-    def config(self, peft, targets, model, manifest):
+    def config(self, peft, targets, model, run):
         o = self.options
-        total = o.total_step or manifest["train"]["max_steps"]
+        total = o.total_step or run.train.max_steps
         if o.tinit >= total - o.tfinal:
             raise UserError(f"tinit ({o.tinit}) + tfinal ({o.tfinal}) leave no steps of {total} to allocate the "
                             "rank in", key="peft.tinit")

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmlab.api import Field, Options, Peft
+from lmlab.api import Field, Options, Peft, RunSettings
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 KEY = re.compile(r"^blocks\.\d+\.(attn|ffn)_adapter\.")
@@ -68,10 +68,10 @@ class BottleneckAdapter(Peft):
     """``adapter``: Houlsby et al.'s residual bottleneck after attention and ffn, up-projection zero."""
 
     Options = BottleneckAdapterOptions
-    api = ">=1.4,<2"
+    api = ">=1.20,<2"  # apply receives RunSettings; Peft (1.4)
     parallel = ("single", "ddp")
 
-    def apply(self, model: nn.Module, manifest: dict) -> None:
+    def apply(self, model: nn.Module, run: RunSettings) -> None:
         o = self.options
         model.requires_grad_(False)
         d_model = model.shape.d_model

@@ -26,7 +26,7 @@ class IA3(LibraryMethod):
     Options = IA3Options
     tuner_class = "IA3Model"
 
-    def config(self, peft, targets, model, manifest):
+    def config(self, peft, targets, model, run):
         wanted = self.options.targets
         outside = [r for r in self.options.feedforward if wanted != "all" and r not in wanted]
         if outside:

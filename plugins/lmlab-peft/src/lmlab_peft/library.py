@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from torch import nn
 
-from lmlab.api import Field, Peft, resolve_roles
+from lmlab.api import Field, Peft, RunSettings, resolve_roles
 
 #: peft's name for the one adapter: a component of every adapter entry's name.
 ADAPTER = "default"
@@ -48,7 +48,7 @@ def pattern(names: list[str]) -> str:
 class LibraryMethod(Peft):
     """A peft tuner applied to the model, targeting layers by role."""
 
-    api = ">=1.6,<2"  # check; Peft, resolve_roles (1.4)
+    api = ">=1.20,<2"  # apply receives RunSettings; check (1.6); Peft, resolve_roles (1.4)
     #: Data parallelism only: under fsdp, deepspeed, tensor or pipeline parallelism the wrapped layers
     #: would be sharded or split under names the layouts do not know.
     parallel = ("single", "ddp")
@@ -59,7 +59,7 @@ class LibraryMethod(Peft):
         super().__init__(options)
         self.tuner = None
 
-    def config(self, peft, targets: str, model: nn.Module, manifest: dict):
+    def config(self, peft, targets: str, model: nn.Module, run: RunSettings):
         """The tuner's config for target modules matching ``targets`` (a regular expression)."""
         raise NotImplementedError
 
@@ -72,9 +72,9 @@ class LibraryMethod(Peft):
         if context.model is not None:
             self.target_names(context.model)
 
-    def apply(self, model: nn.Module, manifest: dict) -> None:
+    def apply(self, model: nn.Module, run: RunSettings) -> None:
         peft = import_peft()
-        config = self.config(peft, pattern(self.target_names(model)), model, manifest)
+        config = self.config(peft, pattern(self.target_names(model)), model, run)
         self.tuner = getattr(peft, self.tuner_class)(model, config, ADAPTER)
 
     def is_adapter_key(self, key: str) -> bool:

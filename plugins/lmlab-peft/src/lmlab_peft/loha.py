@@ -25,7 +25,7 @@ class LoHa(LibraryMethod):
     Options = LoHaOptions
     tuner_class = "LoHaModel"
 
-    def config(self, peft, targets, model, manifest):
+    def config(self, peft, targets, model, run):
         o = self.options
         return peft.LoHaConfig(r=o.r, alpha=o.alpha, rank_dropout=o.rank_dropout, module_dropout=o.module_dropout,
                                target_modules=targets)

@@ -27,7 +27,7 @@ class LoKr(LibraryMethod):
     Options = LoKrOptions
     tuner_class = "LoKrModel"
 
-    def config(self, peft, targets, model, manifest):
+    def config(self, peft, targets, model, run):
         o = self.options
         return peft.LoKrConfig(r=o.r, alpha=o.alpha, rank_dropout=o.rank_dropout, module_dropout=o.module_dropout,
                                decompose_both=o.decompose_both, decompose_factor=o.decompose_factor,

@@ -33,7 +33,7 @@ class LoRA(LibraryMethod):
     tuner_class = "LoraModel"
     dora = False
 
-    def config(self, peft, targets, model, manifest):
+    def config(self, peft, targets, model, run):
         o = self.options
         return peft.LoraConfig(r=o.r, lora_alpha=o.alpha, lora_dropout=o.dropout, target_modules=targets,
                                use_rslora=o.rslora, use_dora=self.dora, bias="none")

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmlab.api import Field, Options, UserError
+from lmlab.api import Field, Options, RunSettings, UserError
 from lmlab_peft.library import ADAPTER, Targets, targets_field
 from lmlab_peft.lora import LoRA
 
@@ -53,12 +53,12 @@ class QLoRA(LoRA):
     Options = QLoRAOptions
     dora = False
 
-    def apply(self, model: nn.Module, manifest: dict) -> None:
+    def apply(self, model: nn.Module, run: RunSettings) -> None:
         bnb = import_bitsandbytes()
         o = self.options
         compute = getattr(torch, o.compute_dtype)
         linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith("blocks.")]
-        on_cpu = manifest.get("parallel", {}).get("accelerator") == "cpu" or not torch.cuda.is_available()
+        on_cpu = getattr(run.options("parallel"), "accelerator", "auto") == "cpu" or not torch.cuda.is_available()
         ragged = [(n, m.in_features) for n, m in linears if m.in_features % o.blocksize]
         if on_cpu and ragged:
             # Measured with bitsandbytes 0.50.2: its CPU dequantisation kernel returns wrong weights (off by up
@@ -80,7 +80,7 @@ class QLoRA(LoRA):
             setattr(model.get_submodule(parent), child, quantised)
         # What peft reads to wrap Linear4bit layers with its 4-bit-aware LoRA layer.
         model.is_loaded_in_4bit = True
-        super().apply(model, manifest)
+        super().apply(model, run)
 
     def merge(self, model: nn.Module) -> None:
         bnb = import_bitsandbytes()
