@@ -71,13 +71,11 @@ MOVED_EARLY_EXIT = {("model", "exit_layers"): "exit_layers", ("train", "exit_los
 
 def refuse_moved_early_exit(table: str, values) -> None:
     """One line naming where an early-exit key of ``table`` went, if ``values`` gives one."""
-    if not isinstance(values, dict):
-        return
-    for (where, key), option in MOVED_EARLY_EXIT.items():
-        if where == table and key in values:
-            value = "true" if option == "train_only_exits" else repr(values[key]).replace("'", '"')
-            raise UserError(f"early exit moved to the architecture's options: write architecture.{option} = {value}",
-                            key=f"{table}.{key}")
+    from lmlab.api.options import refuse_moved
+
+    refuse_moved(table, values, "the architecture's options (early exit)", {
+        key: f"architecture.{option} = " + ("true" if option == "train_only_exits" else "{value}")
+        for (where, key), option in MOVED_EARLY_EXIT.items() if where == table})
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ from typing import Callable, ClassVar, Iterable, Union
 
 from pydantic import model_validator
 
-from lmlab.api.errors import UserError
-from lmlab.api.options import Field, Options
+from lmlab.api.options import Field, Options, refuse_moved
 from lmlab.api.plugin import Plugin
 
 
@@ -122,19 +121,14 @@ class DataOptions(Options):
     @model_validator(mode="before")
     @classmethod
     def _moved_to_order(cls, values):
-        # API 1.18 removed the older spelling of the order slot; a refusal that names the new table
-        # fixes an old manifest in one edit, where "unknown option" would leave the user searching.
-        if isinstance(values, dict):
-            for key, new in MOVED_TO_ORDER.items():
-                if key in values:
-                    kind = values.get("curriculum")
-                    use = CURRICULUM_ORDERS.get(kind, "<name>") if isinstance(kind, str) else "<name>"
-                    raise UserError(f"moved to the order slot: write [order] use = \"{use}\" with start, steps, "
-                                    f"pacing (data.{key} is order.{new})", key=f"data.{key}")
-            for key, (use, option) in MOVED_TO_REPLAY.items():  # API 1.19
-                if key in values:
-                    raise UserError(f"moved to the order slot: write [order] use = \"{use}\" with {option} = "
-                                    f"{values[key]!r}", key=f"data.{key}")
+        # API 1.18 moved the older spelling of the order slot, 1.19 replay.
+        kind = values.get("curriculum") if isinstance(values, dict) else None
+        use = CURRICULUM_ORDERS.get(kind, "<name>") if isinstance(kind, str) else "<name>"
+        refuse_moved("data", values, "the order slot", {
+            **{key: f'[order] use = "{use}" with start, steps, pacing (data.{key} is order.{new})'
+               for key, new in MOVED_TO_ORDER.items()},
+            **{key: f'[order] use = "{order}" with {option} = {{value}}'
+               for key, (order, option) in MOVED_TO_REPLAY.items()}})
         return values
 
 

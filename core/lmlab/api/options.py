@@ -22,7 +22,9 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["Options", "Field"]
+from lmlab.api.errors import UserError
+
+__all__ = ["Options", "Field", "refuse_moved"]
 
 #: The error type of a value of the wrong type; its message already says what was given.
 TYPE_ERROR = "option_type"
@@ -59,6 +61,20 @@ class Options(BaseModel):
             return value
         path = Path(value).expanduser()
         return str(path if path.is_absolute() else Path(base) / path)
+
+
+def refuse_moved(table: str, values: Any, where: str, instead: dict[str, str]) -> None:
+    """Refuse, in one line, a key of ``table`` that an API version moved to ``where``: ``instead`` maps
+    each such key to what to write now, in which ``{value}`` stands for the value given. Nothing when
+    ``values`` (the table as the manifest gives it) has none. Called from an Options class's
+    ``model_validator(mode="before")``: a refusal that names the new spelling fixes an old manifest in
+    one edit, where "unknown option" would leave the user searching."""
+    if not isinstance(values, dict):
+        return
+    for key, spelling in instead.items():
+        if key in values:
+            shown = json.dumps(values[key]) if isinstance(values[key], (str, bool, list)) else str(values[key])
+            raise UserError(f"moved to {where}: write {spelling.replace('{value}', shown)}", key=f"{table}.{key}")
 
 
 def _is_path_type(annotation: Any) -> bool:

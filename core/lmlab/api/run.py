@@ -14,7 +14,7 @@ from pydantic import ConfigDict, model_validator
 
 from lmlab.api.architecture import refuse_moved_early_exit
 from lmlab.api.errors import UserError
-from lmlab.api.options import Field, Options
+from lmlab.api.options import Field, Options, refuse_moved
 
 #: What activation checkpointing recomputes in backward (``LanguageModel.set_checkpointing``).
 CHECKPOINTING = ("none", "full", "ffn", "attention")
@@ -44,13 +44,10 @@ class ModelOptions(Options):
     @classmethod
     def _moved_to_architecture(cls, values):
         # API 1.18 moved the model family and the encoder-decoder's settings into the architecture slot.
-        if isinstance(values, dict):
-            for key in MOVED_TO_ARCHITECTURE:
-                if key in values:
-                    where = "[architecture] use" if key == "architecture" else f"architecture.{key}"
-                    raise UserError(f"moved to the architecture slot: write {where} (e.g. [architecture] use = "
-                                    "\"encoder-decoder\" with its encoder_layers, share_embeddings, decoder_start_id)",
-                                    key=f"model.{key}")
+        example = '(e.g. [architecture] use = "encoder-decoder" with its encoder_layers, share_embeddings, decoder_start_id)'
+        refuse_moved("model", values, "the architecture slot", {
+            key: ("[architecture] use" if key == "architecture" else f"architecture.{key}") + f" {example}"
+            for key in MOVED_TO_ARCHITECTURE})
         refuse_moved_early_exit("model", values)
         return values
 

@@ -205,6 +205,9 @@ and raise the bound when the plugin starts to use a newer one.
      how a peft plugin written before 1.20 keeps working. ``lmlab.testing.stand_in_run`` makes one for a
      plugin's own tests. ``Parallel.holds_whole_state``: whether every process holds the whole weights
      and optimizer state (False: a rollback is refused), asked instead of the plugin's name.
+     ``lmlab.api.options.refuse_moved``: the one-line refusal of a key an API version moved, which the
+     core's three moves (to the architecture slot, the order slot, the architecture's options) share
+     and a plugin may use for its own renamed options.
 """
 
 API_VERSION = "1.20"
