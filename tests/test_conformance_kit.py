@@ -16,7 +16,8 @@ from lmlab.testing import (ConformanceError, check_attention, check_ffn, check_n
 
 SLOTS = ("attention", "position", "ffn")
 INSTALLED = [(slot, name) for slot in SLOTS for name in sorted({p.name for p in discovery.installed()[slot]})]
-WITH_OPTIONS = [("attention", "gqa", {"n_kv_heads": 2})]
+WITH_OPTIONS = [("attention", "gqa", {"n_kv_heads": 2}), ("attention", "gqa", {"n_kv_heads": 2, "qkv_bias": True, "qk_norm": True}),
+                ("position", "rope", {"scaling": "llama3", "factor": 4.0, "original_max_positions": 8})]
 
 
 @pytest.mark.parametrize("slot, name, options", [(s, n, None) for s, n in INSTALLED] + WITH_OPTIONS,

@@ -26,7 +26,7 @@ def test_set_overrides_coerce_types(tiny_manifest):
                                                  "attention.n_kv_heads=2"])
     m = variant.manifest
     assert m["train"]["max_steps"] == 7 and m["optimizer"]["lr"] == 3e-4 and m["model"]["bias"] is True
-    assert m["attention"] == {"use": "gqa", "n_kv_heads": 2}
+    assert m["attention"].items() >= {"use": "gqa", "n_kv_heads": 2}.items()
 
 
 def test_sweep_is_the_cartesian_product_with_seeds_innermost(tiny_manifest):
@@ -41,9 +41,9 @@ def test_sweep_is_the_cartesian_product_with_seeds_innermost(tiny_manifest):
 def test_sweeping_use_keeps_options_the_plugin_declares_and_notes_the_rest(tiny_manifest):
     path = tiny_manifest('[attention]\nuse = "gqa"\nn_kv_heads = 2\n[sweep]\n"attention.use" = ["mha", "gqa"]\n')
     mha, gqa = manifest.load(path)
-    assert mha.manifest["attention"] == {"use": "mha"}
+    assert mha.manifest["attention"]["use"] == "mha" and "n_kv_heads" not in mha.manifest["attention"]
     assert any("n_kv_heads" in note for note in mha.notes)
-    assert gqa.manifest["attention"] == {"use": "gqa", "n_kv_heads": 2} and not gqa.notes
+    assert gqa.manifest["attention"].items() >= {"use": "gqa", "n_kv_heads": 2}.items() and not gqa.notes
 
 
 def test_check_prints_each_resolved_variant(tiny_manifest, capsys):
@@ -78,8 +78,8 @@ def test_a_sweep_axis_over_whole_tables_links_options(tiny_manifest):
     path = tiny_manifest('[sweep]\nattention = [{use = "mha"}, {use = "gqa", n_kv_heads = 2}]\n')
     mha, gqa = manifest.load(path)
     assert (mha.name, gqa.name) == ("attention=mha", "attention=gqa+n_kv_heads=2")
-    assert mha.manifest["attention"] == {"use": "mha"}
-    assert gqa.manifest["attention"] == {"use": "gqa", "n_kv_heads": 2}
+    assert mha.manifest["attention"]["use"] == "mha" and "n_kv_heads" not in mha.manifest["attention"]
+    assert gqa.manifest["attention"].items() >= {"use": "gqa", "n_kv_heads": 2}.items()
 
 
 def test_a_linked_sweep_axis_sets_several_keys_per_point_and_crosses_the_other_axes(tiny_manifest):
@@ -91,7 +91,7 @@ def test_a_linked_sweep_axis_sets_several_keys_per_point_and_crosses_the_other_a
         f"model.n_layers={n},{point}" for n in (1, 2)
         for point in ("attention=mha,optimizer.lr=0.0003", "attention=gqa+n_kv_heads=2,optimizer.lr=0.002")]
     last = variants[-1].manifest
-    assert last["attention"] == {"use": "gqa", "n_kv_heads": 2} and last["optimizer"]["lr"] == 2e-3
+    assert last["attention"].items() >= {"use": "gqa", "n_kv_heads": 2}.items() and last["optimizer"]["lr"] == 2e-3
     assert last["optimizer"]["use"] == "adamw" and last["model"]["n_layers"] == 2
 
 

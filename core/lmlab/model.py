@@ -228,7 +228,7 @@ def shape_of(model, vocab_size: int) -> ModelShape:
     """The shape ``model`` (``[model]``, a ModelOptions) describes, with ``vocab_size`` ids."""
     return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
                       block_size=model.block_size, vocab_size=vocab_size, dropout=model.dropout, bias=model.bias,
-                      init_std=model.init_std)
+                      init_std=model.init_std, explicit_head_dim=model.head_dim)
 
 
 def family(architecture, objective) -> str:

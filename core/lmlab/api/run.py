@@ -31,6 +31,8 @@ class ModelOptions(Options):
     n_layers: int = Field(4, gt=0, le=10_000, help="number of transformer blocks")
     d_model: int = Field(128, gt=0, help="width of the residual stream")
     n_heads: int = Field(4, gt=0, help="attention heads (query heads for grouped-query attention)")
+    head_dim: int | None = Field(None, gt=0, help="size of one attention head; default: d_model / n_heads "
+                                                  "(Qwen3 and Gemma set it otherwise)")
     block_size: int = Field(64, gt=0, help="training context length in tokens")
     vocab_size: int | None = Field(None, gt=0, help="default: the tokenizer's; larger pads the embedding")
     dropout: float = Field(0.0, ge=0, lt=1, help="residual, embedding and attention dropout")
@@ -53,7 +55,7 @@ class ModelOptions(Options):
 
     @model_validator(mode="after")
     def _heads_divide_width(self):
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         return self
 

@@ -32,6 +32,9 @@ class ModelShape:
     """Whether linear layers and LayerNorms have biases (``model.bias``)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation (``model.init_std``)."""
+    explicit_head_dim: int | None = None
+    """``model.head_dim`` when the manifest sets it (API 1.20): heads of another size than
+    ``d_model / n_heads`` (Qwen3, Gemma). Read :attr:`head_dim`, which falls back to that quotient."""
     causal: bool = True
     """False for a stack whose mixers see both sides (API 1.13): the encoder of an encoder–decoder
     model, or a model built for a bidirectional objective. A position scheme that treats the two
@@ -40,8 +43,8 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head: ``d_model // n_heads``."""
-        return self.d_model // self.n_heads
+        """Size of one attention head: ``model.head_dim``, by default ``d_model // n_heads``."""
+        return self.explicit_head_dim or self.d_model // self.n_heads
 
     @property
     def residual_init_std(self) -> float:

@@ -17,8 +17,10 @@ def folder(tmp_path, config: dict):
 
 
 def test_each_architecture_lists_the_model_types_it_reads():
-    assert Decoder.hf_model_types == {"llama": "Llama"} and EncoderDecoder.hf_model_types == {"t5": "T5"}
-    assert ParallelDecoder.hf_model_types == {}  # a Llama's blocks are sequential: `decoder` reads it
+    assert Decoder.hf_model_types == {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                                      "gpt2": "GPT-2"}
+    assert EncoderDecoder.hf_model_types == {"t5": "T5"}
+    assert ParallelDecoder.hf_model_types == {}  # Llama's and GPT-2's blocks are sequential: `decoder` reads them
 
 
 def test_a_short_llama_config_gets_llamaconfig_defaults(tmp_path):

@@ -7,14 +7,15 @@ Jamba-style stack, three Mamba layers to each attention layer, repeated to ``mod
 Without a pattern every layer's mixer is the ``[attention]`` slot's (today's model, unchanged).
 
 Early exit is its option (``exit_layers``, ``exit_threshold``; :mod:`lmlab_architectures.early_exit`).
-It reads Hugging Face Llama checkpoints for ``[init] from`` (:mod:`lmlab_architectures.hf_llama`).
+It reads Hugging Face checkpoints of the Llama family (Llama, Mistral, Qwen2, Qwen3:
+:mod:`lmlab_architectures.hf_llama`) and GPT-2 (:mod:`lmlab_architectures.hf_gpt2`) for ``[init] from``.
 """
 
 from typing import Any
 
 from lmlab.api import Architecture, CheckContext, Field, ModelParts, Options, UserError
 from lmlab.api.architecture import Block, Stack
-from lmlab_architectures import early_exit, hf_llama
+from lmlab_architectures import early_exit, hf_gpt2, hf_llama
 from lmlab_architectures.hf_files import ReadsHF
 
 
@@ -43,8 +44,8 @@ class Decoder(ReadsHF, Architecture):
     components = {"mixers": "attention"}
     #: The block class every layer gets (a subclass of the API's Block wires it another way).
     block: type = Block
-    hf_model_types = {hf_llama.MODEL_TYPE: "Llama"}
-    hf_reader = hf_llama
+    hf_model_types = {**hf_llama.MODEL_TYPES, hf_gpt2.MODEL_TYPE: "GPT-2"}
+    hf_readers = {**dict.fromkeys(hf_llama.MODEL_TYPES, hf_llama), hf_gpt2.MODEL_TYPE: hf_gpt2}
 
     def check(self, context: CheckContext) -> None:
         pattern(self.options, context.shape.n_layers)

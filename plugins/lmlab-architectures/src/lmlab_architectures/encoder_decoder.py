@@ -234,7 +234,7 @@ class EncoderDecoder(ReadsHF, Architecture):
     Options = EncoderDecoderOptions
     families = ("encoder-decoder",)
     hf_model_types = {hf_t5.MODEL_TYPE: "T5"}
-    hf_reader = hf_t5
+    hf_readers = {hf_t5.MODEL_TYPE: hf_t5}
 
     def decoder_start_id(self, eos_id: int | None) -> int | None:
         own = self.options.decoder_start_id

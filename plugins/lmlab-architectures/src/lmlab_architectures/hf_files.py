@@ -10,22 +10,35 @@ SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.j
 
 
 class ReadsHF:
-    """``Architecture``'s Hugging Face readers, delegated to ``hf_reader``: a module with
-    ``folder_tables``, ``weight_files`` and ``read_state`` for the family's folders."""
+    """``Architecture``'s Hugging Face readers, delegated by the folder's model_type to ``hf_readers``:
+    modules with ``folder_tables``, ``weight_files`` and ``read_state`` for their families' folders."""
 
-    hf_reader = None
+    hf_readers: dict = {}  # model_type → reader module
+
+    @classmethod
+    def hf_reader(cls, folder: Path):
+        kind = model_type(folder)
+        if kind not in cls.hf_readers:
+            raise ValueError(f"config.json has model_type {kind!r}; architecture {cls.name!r} reads "
+                             f"{', '.join(sorted(cls.hf_readers))}")
+        return cls.hf_readers[kind]
 
     @classmethod
     def hf_tables(cls, folder: Path) -> dict:
-        return cls.hf_reader.folder_tables(folder)
+        return cls.hf_reader(folder).folder_tables(folder)
 
     @classmethod
     def hf_weight_files(cls, folder: Path) -> list[Path]:
-        return cls.hf_reader.weight_files(folder)
+        return cls.hf_reader(folder).weight_files(folder)
 
     @classmethod
     def hf_state(cls, folder: Path) -> dict:
-        return cls.hf_reader.read_state(folder)
+        return cls.hf_reader(folder).read_state(folder)
+
+
+def model_type(folder: Path) -> str | None:
+    """config.json's model_type."""
+    return json.loads((Path(folder) / "config.json").read_text()).get("model_type")
 
 
 def read_config(folder: Path, model_type: str, family: str, defaults: dict) -> dict:

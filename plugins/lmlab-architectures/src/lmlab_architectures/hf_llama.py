@@ -1,19 +1,26 @@
-"""Hugging Face Llama → lmlab: the checkpoints the ``decoder`` architecture reads (model_type "llama").
+"""Hugging Face Llama-family checkpoints → lmlab: what the ``decoder`` architecture reads for the
+model types ``llama`` (SmolLM, Llama 2 and 3 with their rope scaling), ``mistral``, ``qwen2`` (Qwen2,
+Qwen2.5) and ``qwen3``.
 
-A Llama is a decoder-only lmlab model with RMSNorm, `rope` positions, `gqa` attention, a `swiglu` ffn
-and an untied head. The names below are manifest values and the parameter names those first-party
-plugins document (attention `q_proj`/`k_proj`/`v_proj`/`out_proj`, ffn `gate_proj`/`up_proj`/`down_proj`);
-nothing here imports a plugin: the model is assembled from the tables like any manifest's.
+All four are decoder-only lmlab models with RMSNorm, `rope` positions, `gqa` attention and a
+`swiglu` ffn; they differ in a few switches, each an option of those plugins: Qwen2 puts biases on
+the query, key and value projections alone (``attention.qkv_bias``), Qwen3 RMS-normalises each query
+and key head (``attention.qk_norm``) and sizes its heads apart from the width (``model.head_dim``),
+Llama 3 stretches its rope frequencies (``position.scaling = "llama3"``). The names below are manifest
+values and the parameter names those first-party plugins document (attention
+`q_proj`/`k_proj`/`v_proj`/`out_proj`/`q_norm`/`k_norm`, ffn `gate_proj`/`up_proj`/`down_proj`); nothing
+here imports a plugin: the model is assembled from the tables like any manifest's.
 
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from lmlab import pretrained
-    hf = LlamaForCausalLM.from_pretrained(...)
+    hf = AutoModelForCausalLM.from_pretrained(...)
     model = from_hf(hf, pretrained.build)    # an lmlab model with the same weights
     tables = manifest_tables(hf.config)      # the [model]/[architecture]/[position]/[attention]/[ffn] tables
 
 A checkpoint folder on disk (``save_pretrained``: config.json and safetensors) is read without
 transformers: ``folder_tables(folder)`` and ``read_state(folder)``, which is how ``[init] from`` starts
-a run from one (``Decoder.hf_tables`` / ``hf_state``).
+a run from one (``Decoder.hf_tables`` / ``hf_state``). A config lmlab cannot express is refused with a
+ValueError naming its key.
 """
 
 from pathlib import Path
@@ -24,60 +31,112 @@ import torch
 from lmlab_architectures import hf_files
 from lmlab_architectures.hf_files import SAFETENSORS, SAFETENSORS_INDEX, weight_files  # noqa: F401 (the folder's files)
 
+#: config.json's model_type → the family's name.
+MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 MODEL_TYPE = "llama"
+
+#: The transformers config classes' defaults, for keys a config.json leaves out (transformers writes
+#: them all; older or hand-written files may not): LlamaConfig's, and what the others change.
+CONFIG_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
+                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                   "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+                   "head_dim": None, "sliding_window": None, "use_sliding_window": False}
+FAMILY_DEFAULTS = {"mistral": {"sliding_window": 4096, "max_position_embeddings": 4096 * 32},
+                   "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "sliding_window": 4096},
+                   "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": 128,
+                             "sliding_window": 4096}}
+
+#: (Hugging Face name, lmlab name) of each per-layer tensor, below ``model.layers.{i}.`` / ``blocks.{i}.``.
+LAYER_NAMES = (("self_attn.q_proj", "attn.q_proj"), ("self_attn.k_proj", "attn.k_proj"),
+               ("self_attn.v_proj", "attn.v_proj"), ("self_attn.o_proj", "attn.out_proj"),
+               ("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm"),
+               ("mlp.gate_proj", "ffn.gate_proj"), ("mlp.up_proj", "ffn.up_proj"), ("mlp.down_proj", "ffn.down_proj"),
+               ("input_layernorm", "norm1"), ("post_attention_layernorm", "norm2"))
+
+
+def _get(config, key: str):
+    kind = getattr(config, "model_type", MODEL_TYPE)
+    default = FAMILY_DEFAULTS.get(kind, {}).get(key, CONFIG_DEFAULTS.get(key))
+    return getattr(config, key, default)
+
+
+def rope_table(config) -> dict:
+    """The ``[position]`` table of the config's rope settings (transformers ≥ 5 ``rope_parameters``,
+    older ``rope_theta`` with ``rope_scaling``)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if not rope:
+        rope = dict(_get(config, "rope_scaling") or {})
+        rope.setdefault("rope_theta", _get(config, "rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    table = {"use": "rope", "base": float(rope["rope_theta"])}
+    if kind == "default":
+        return table
+    if kind == "linear":
+        return {**table, "scaling": "linear", "factor": float(rope["factor"])}
+    if kind == "llama3":
+        return {**table, "scaling": "llama3", "factor": float(rope["factor"]),
+                "low_freq_factor": float(rope["low_freq_factor"]), "high_freq_factor": float(rope["high_freq_factor"]),
+                "original_max_positions": int(rope["original_max_position_embeddings"])}
+    raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, linear, llama3)")
 
 
 def manifest_tables(config) -> dict:
-    """The manifest tables of a Llama config (raises ValueError for features lmlab lacks)."""
-    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default",
-                                                          "rope_theta": getattr(config, "rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        raise ValueError("head_dim × num_attention_heads must equal hidden_size")
-    if getattr(config, "mlp_bias", False) != getattr(config, "attention_bias", False):
-        raise ValueError("lmlab's `bias` covers attention and ffn together; this config mixes them")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not SwiGLU's silu")
-    return {
-        "model": {"n_layers": config.num_hidden_layers, "d_model": config.hidden_size,
-                  "n_heads": config.num_attention_heads, "block_size": config.max_position_embeddings,
-                  "vocab_size": config.vocab_size, "dropout": 0.0, "bias": bool(config.attention_bias),
-                  "norm": "rmsnorm", "norm_eps": config.rms_norm_eps,
-                  "tie_embeddings": bool(config.tie_word_embeddings)},
-        "architecture": {"use": "decoder"},
-        "position": {"use": "rope", "base": float(rope["rope_theta"])},
-        "attention": {"use": "gqa", "n_kv_heads": config.num_key_value_heads},
-        "ffn": {"use": "swiglu", "hidden": config.intermediate_size},
-    }
+    """The manifest tables of a Llama-family config (a ValueError naming the config key for a
+    feature lmlab lacks)."""
+    kind = getattr(config, "model_type", MODEL_TYPE)
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"model_type {kind!r} is not a Llama-family type ({', '.join(MODEL_TYPES)})")
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    head_dim = _get(config, "head_dim") or hidden // heads
+    if _get(config, "hidden_act") != "silu":
+        raise ValueError(f"hidden_act: {config.hidden_act!r} is not SwiGLU's silu")
+    window = _get(config, "sliding_window")
+    uses_window = _get(config, "use_sliding_window") if kind in ("qwen2", "qwen3") else window is not None
+    if uses_window and window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"sliding_window: attention limited to {window} tokens is not supported (gqa attends to "
+                         "the whole context)")
+    qkv_bias = kind == "qwen2"
+    bias = bool(_get(config, "attention_bias"))
+    if kind != "qwen2" and bool(_get(config, "mlp_bias")) != bias:
+        raise ValueError("attention_bias / mlp_bias: lmlab's model.bias covers attention and ffn together; this "
+                         "config mixes them")
+    attention = {"use": "gqa", "n_kv_heads": _get(config, "num_key_value_heads") or heads}
+    if qkv_bias:
+        attention["qkv_bias"] = True
+    if kind == "qwen3":
+        attention.update(qk_norm=True, qk_norm_eps=float(config.rms_norm_eps))
+    model = {"n_layers": config.num_hidden_layers, "d_model": hidden, "n_heads": heads,
+             "block_size": config.max_position_embeddings, "vocab_size": config.vocab_size, "dropout": 0.0,
+             "bias": bias, "norm": "rmsnorm", "norm_eps": float(config.rms_norm_eps),
+             "tie_embeddings": bool(_get(config, "tie_word_embeddings"))}
+    if head_dim * heads != hidden:
+        model["head_dim"] = head_dim
+    return {"model": model, "architecture": {"use": "decoder"}, "position": rope_table(config),
+            "attention": attention, "ffn": {"use": "swiglu", "hidden": config.intermediate_size}}
 
 
 def folder_tables(folder) -> dict:
-    """The manifest tables of a Hugging Face Llama folder: its config's, and its ``tokenizer.json``
-    read by the ``hf`` tokenizer plugin."""
+    """The manifest tables of a Hugging Face Llama-family folder: its config's, and its
+    ``tokenizer.json`` read by the ``hf`` tokenizer plugin."""
     return {**manifest_tables(read_config(folder)), "tokenizer": {"use": "hf", "path": str(folder)}}
 
 
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    """Rename a LlamaForCausalLM state dict into lmlab's names."""
+    """Rename a Llama-family ``*ForCausalLM`` state dict into lmlab's names."""
     out = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"],
            "head.weight": hf_state.get("lm_head.weight", hf_state["model.embed_tokens.weight"])}
     for i in range(n_layers):
         hf, lm = f"model.layers.{i}.", f"blocks.{i}."
-        for suffix in ("weight", "bias"):
-            for theirs, ours in (("self_attn.q_proj", "attn.q_proj"), ("self_attn.k_proj", "attn.k_proj"),
-                                 ("self_attn.v_proj", "attn.v_proj"), ("self_attn.o_proj", "attn.out_proj"), ("mlp.gate_proj", "ffn.gate_proj"),
-                                 ("mlp.up_proj", "ffn.up_proj"), ("mlp.down_proj", "ffn.down_proj")):
+        for theirs, ours in LAYER_NAMES:
+            for suffix in ("weight", "bias"):
                 if f"{hf}{theirs}.{suffix}" in hf_state:
                     out[f"{lm}{ours}.{suffix}"] = hf_state[f"{hf}{theirs}.{suffix}"]
-        out[f"{lm}norm1.weight"] = hf_state[f"{hf}input_layernorm.weight"]
-        out[f"{lm}norm2.weight"] = hf_state[f"{hf}post_attention_layernorm.weight"]
     return out
 
 
 def from_hf(hf_model, build):
-    """An lmlab model holding the weights of a transformers LlamaForCausalLM. ``build`` makes the
+    """An lmlab model holding the weights of a transformers Llama-family model. ``build`` makes the
     model from manifest tables (``lmlab.pretrained.build``, the core's: a plugin assembles no other
     plugins itself)."""
     tables = manifest_tables(hf_model.config)
@@ -89,26 +148,17 @@ def from_hf(hf_model, build):
     return model
 
 
-#: LlamaConfig's defaults, for keys a config.json leaves out (transformers writes them all; older or
-#: hand-written files may not).
-CONFIG_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
-                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                   "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
-                   "head_dim": None}
-
-
 def read_config(folder: Path) -> SimpleNamespace:
-    """A Llama config.json as the attributes `manifest_tables` reads (ValueError for another family)."""
-    values = hf_files.read_config(folder, MODEL_TYPE, "Llama-family", CONFIG_DEFAULTS)
+    """A Llama-family config.json as the attributes `manifest_tables` reads (ValueError for another family)."""
+    kind = hf_files.model_type(folder)
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"config.json has model_type {kind!r}; this reader takes Llama-family checkpoints "
+                         f"(model_type {', '.join(MODEL_TYPES)})")
+    values = hf_files.read_config(folder, kind, MODEL_TYPES[kind], {**CONFIG_DEFAULTS, **FAMILY_DEFAULTS.get(kind, {})})
     values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
-    if not values.get("rope_parameters"):  # transformers < 5: rope_theta and rope_scaling apart
-        scaling = values["rope_scaling"] or {}
-        values["rope_parameters"] = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-                                     "rope_theta": values["rope_theta"]}
     return SimpleNamespace(**values)
 
 
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
-    """The state dict of a LlamaForCausalLM folder in lmlab's names (`state_dict_from_hf`)."""
+    """The state dict of a Llama-family folder in lmlab's names (`state_dict_from_hf`)."""
     return state_dict_from_hf(hf_files.read_weights(folder), read_config(folder).num_hidden_layers)

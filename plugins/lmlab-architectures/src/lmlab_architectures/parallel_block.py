@@ -55,4 +55,5 @@ class ParallelDecoder(Decoder):
     """Decoder-only transformer with parallel blocks (GPT-J, PaLM): x + mixer(norm x) + ffn(norm x)."""
 
     block = ParallelBlock
-    hf_model_types = {}  # a Llama is read by `decoder`: its blocks are sequential
+    hf_model_types = {}  # Llama's and GPT-2's blocks are sequential: `decoder` reads them
+    hf_readers = {}

@@ -29,21 +29,26 @@ core may decode sequences of different lengths in one batch: each row then has i
 the core's ``key_mask`` takes the place of the causal mask.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmlab.api import (Attention, AttentionModule, CrossAttentionModule, Field, KVCache, MixerContext, ModelShape,
                        Options, UserError)
+from lmlab.api.architecture import build_norm
 
 
-def _add_projections(module: nn.Module, shape: ModelShape, n_kv_heads: int) -> None:
-    """The four projections self- and cross-attention share (names included: PEFT roles, weight maps)."""
+def _add_projections(module: nn.Module, shape: ModelShape, n_kv_heads: int, qkv_bias: bool | None = None) -> None:
+    """The four projections self- and cross-attention share (names included: PEFT roles, weight maps);
+    ``qkv_bias``: biases on the query, key and value projections (None: as every linear, ``model.bias``)."""
     module.n_heads, module.n_kv_heads, module.head_dim = shape.n_heads, n_kv_heads, shape.head_dim
     inner, kv_inner = shape.n_heads * shape.head_dim, n_kv_heads * shape.head_dim
-    module.q_proj = nn.Linear(shape.d_model, inner, bias=shape.bias)
-    module.k_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
-    module.v_proj = nn.Linear(shape.d_model, kv_inner, bias=shape.bias)
+    bias = shape.bias if qkv_bias is None else qkv_bias
+    module.q_proj = nn.Linear(shape.d_model, inner, bias=bias)
+    module.k_proj = nn.Linear(shape.d_model, kv_inner, bias=bias)
+    module.v_proj = nn.Linear(shape.d_model, kv_inner, bias=bias)
     module.out_proj = nn.Linear(inner, shape.d_model, bias=shape.bias)
     # No dropout after out_proj: the model applies residual dropout to every mixer's output.
     module.dropout = shape.dropout
@@ -53,9 +58,15 @@ class SelfAttention(AttentionModule):
     """Scaled dot-product attention of ``n_heads`` query heads over ``n_kv_heads`` key/value heads,
     causal or (in a model built for a bidirectional objective) over the whole window."""
 
-    def __init__(self, shape: ModelShape, n_kv_heads: int):
+    def __init__(self, shape: ModelShape, n_kv_heads: int, qkv_bias: bool | None = None, qk_norm_eps: float = 0.0):
         super().__init__()
-        _add_projections(self, shape, n_kv_heads)
+        _add_projections(self, shape, n_kv_heads, qkv_bias)
+        # Query-key normalisation (Qwen3, OLMo 2): each head's query and key RMS-normalised, with a
+        # learned scale per dimension shared by the heads, before the position scheme rotates them.
+        self.q_norm = build_norm("rmsnorm", dataclasses.replace(shape, d_model=self.head_dim), qk_norm_eps) \
+            if qk_norm_eps else None
+        self.k_norm = build_norm("rmsnorm", dataclasses.replace(shape, d_model=self.head_dim), qk_norm_eps) \
+            if qk_norm_eps else None
         # Tensor parallelism: this rank computes heads [rank·H/size, (rank+1)·H/size) (and the matching
         # key/value heads); 1 and 0 without it.
         self.tp_size, self.tp_rank = 1, 0
@@ -72,6 +83,8 @@ class SelfAttention(AttentionModule):
         q = q.view(B, T, H, hs).transpose(1, 2)                                # (B, H, T, hs)
         k = k.view(B, T, Hkv, hs).transpose(1, 2)                              # (B, Hkv, T, hs)
         v = v.view(B, T, Hkv, hs).transpose(1, 2)                              # (B, Hkv, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if ctx.position.rotates:
             q, k = ctx.position.rotate(q, k, ctx.positions)
         if state is not None:
@@ -183,6 +196,9 @@ class SelfAttention(AttentionModule):
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
+        for norm in (getattr(self, "q_norm", None), getattr(self, "k_norm", None)):  # cross-attention has none
+            if norm is not None:
+                norm.reset_parameters()
 
 
 class CrossAttention(CrossAttentionModule):
@@ -242,7 +258,16 @@ def _take_columns(linear: nn.Linear, columns: torch.Tensor) -> None:
     linear.in_features = len(columns)
 
 
-class GroupedQueryAttentionOptions(Options):
+class ProjectionOptions(Options):
+    """What mha, gqa and mqa share: how the heads are projected."""
+
+    qkv_bias: bool | None = Field(
+        None, help="biases on the query, key and value projections (Qwen2); default (unset): model.bias")
+    qk_norm: bool = Field(False, help="RMS-normalise each query and key head before the position scheme (Qwen3)")
+    qk_norm_eps: float = Field(1e-6, gt=0, help="qk_norm: the epsilon of those norms")
+
+
+class GroupedQueryAttentionOptions(ProjectionOptions):
     n_kv_heads: int | None = Field(
         None, ge=1, help="key/value heads, each shared by n_heads / n_kv_heads query heads; must divide "
                          "model.n_heads; default (unset) = model.n_heads, as in Hugging Face's Llama")
@@ -252,7 +277,7 @@ class GroupedQueryAttention(Attention):
     """``gqa``: ``n_kv_heads`` key/value heads shared by groups of query heads (Ainslie et al. 2023)."""
 
     Options = GroupedQueryAttentionOptions
-    api = ">=1.13,<2"  # build_cross; head_groups, prune_heads (1.9); kv_layout, key_mask (1.8); causal (1.4)
+    api = ">=1.20,<2"  # ModelShape.explicit_head_dim; build_cross (1.13); head_groups, prune_heads (1.9); kv_layout, key_mask (1.8); causal (1.4)
     bidirectional = True
     cross_attention = True
 
@@ -264,13 +289,14 @@ class GroupedQueryAttention(Attention):
         return n_kv_heads
 
     def build(self, shape: ModelShape, layer: int) -> SelfAttention:
-        return SelfAttention(shape, self._checked_kv_heads(shape))
+        o = self.options
+        return SelfAttention(shape, self._checked_kv_heads(shape), o.qkv_bias, o.qk_norm_eps if o.qk_norm else 0.0)
 
     def build_cross(self, shape: ModelShape, layer: int) -> CrossAttention:
         return CrossAttention(shape, self._checked_kv_heads(shape))
 
     def _checked_kv_heads(self, shape: ModelShape) -> int:
-        if shape.d_model % shape.n_heads:
+        if shape.explicit_head_dim is None and shape.d_model % shape.n_heads:
             raise UserError(f"must divide model.d_model = {shape.d_model}; got {shape.n_heads}", key="model.n_heads")
         return self.kv_heads(shape)
 
@@ -278,7 +304,7 @@ class GroupedQueryAttention(Attention):
 class MultiHeadAttention(GroupedQueryAttention):
     """``mha``: one key/value head per query head (Vaswani et al. 2017)."""
 
-    Options = Attention.Options  # nothing to choose
+    Options = ProjectionOptions  # no key/value heads to choose
 
     def kv_heads(self, shape: ModelShape) -> int:
         return shape.n_heads
@@ -287,7 +313,7 @@ class MultiHeadAttention(GroupedQueryAttention):
 class MultiQueryAttention(GroupedQueryAttention):
     """``mqa``: a single key/value head shared by every query head (Shazeer 2019)."""
 
-    Options = Attention.Options  # nothing to choose
+    Options = ProjectionOptions  # no key/value heads to choose
 
     def kv_heads(self, shape: ModelShape) -> int:
         return 1

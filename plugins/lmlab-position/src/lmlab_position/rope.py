@@ -7,15 +7,24 @@ norms, and the dot product of a query rotated to m with a key rotated to n depen
 through m - n, so attention scores see relative positions while nothing is added to the residual
 stream.
 
+Context extension rescales the frequencies (``scaling``): ``linear`` divides them all by ``factor``
+(position interpolation, Chen et al. 2023); ``llama3`` divides only the slow ones, whose wavelength
+exceeds ``original_max_positions / low_freq_factor``, keeps the fast ones below
+``original_max_positions / high_freq_factor`` and blends in between (Llama 3.1's scheme, as
+transformers computes it).
+
 Dimensions are paired as (i, i + head_dim/2) — the "rotate_half" layout of GPT-NeoX, Llama and
 Hugging Face transformers — rather than the interleaved (2i, 2i+1) pairs of the paper, so weights
 move to and from Hugging Face checkpoints unchanged.
 """
 
+import math
+from typing import Literal
+
 import torch
 
 from lmlab.api import Field, ModelShape, Options, Position, PositionModule, UserError
-from lmlab_position.angles import angles
+from lmlab_position.angles import angles, frequencies
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -31,13 +40,14 @@ class RotaryEmbedding(PositionModule):
     per_row = True
     max_positions = None  # angles exist for every position
 
-    def __init__(self, head_dim: int, base: float):
+    def __init__(self, head_dim: int, base: float, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.head_dim, self.base = head_dim, base
+        self.inv_freq = inv_freq  # rescaled frequencies (context extension), or None for base's own
         self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last eval-mode call
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = angles(positions, self.head_dim, self.base)                     # (T, hs/2) or (B, T, hs/2) float32
+        freqs = angles(positions, self.head_dim, self.base, self.inv_freq)       # (T, hs/2) or (B, T, hs/2) float32
         emb = torch.cat((freqs, freqs), dim=-1)                                 # pair i and i + hs/2 share an angle
         if emb.dim() == 3:  # per-row positions: (B, 1, T, hs), one row's angles for all its heads
             emb = emb[:, None]
@@ -65,6 +75,31 @@ class RotaryEmbedding(PositionModule):
 
 class RotaryPositionOptions(Options):
     base: float = Field(10000.0, gt=0, help="rotary base (theta): the slowest pair turns once every ~2π·base positions")
+    scaling: Literal["none", "linear", "llama3"] = Field(
+        "none", help="context extension: linear divides every frequency by factor; llama3 only the slow ones")
+    factor: float = Field(1.0, ge=1, help="scaling: how much longer a context the model is stretched to")
+    low_freq_factor: float = Field(1.0, gt=0, help="llama3: pairs slower than original_max_positions / this are "
+                                                  "divided by factor")
+    high_freq_factor: float = Field(4.0, gt=0, help="llama3: pairs faster than original_max_positions / this are kept")
+    original_max_positions: int = Field(8192, gt=0, help="llama3: the context the model was pre-trained on")
+
+
+def scaled_frequencies(head_dim: int, o: RotaryPositionOptions) -> torch.Tensor | None:
+    """The frequencies ``o.scaling`` rescales (None without scaling), as transformers' rope_init_fn."""
+    if o.scaling == "none":
+        return None
+    inv_freq = frequencies(head_dim, o.base)
+    if o.scaling == "linear":
+        return inv_freq / o.factor
+    if o.high_freq_factor <= o.low_freq_factor:
+        raise UserError("must exceed position.low_freq_factor", key="position.high_freq_factor")
+    low_wavelen, high_wavelen = o.original_max_positions / o.low_freq_factor, o.original_max_positions / o.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / o.factor, inv_freq)
+    smooth = (o.original_max_positions / wavelen - o.low_freq_factor) / (o.high_freq_factor - o.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / o.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryPosition(Position):
@@ -77,4 +112,4 @@ class RotaryPosition(Position):
         if shape.head_dim % 2:
             raise UserError(f"rope rotates pairs of dimensions, so the head size model.d_model / model.n_heads "
                             f"must be even; got {shape.head_dim}", key="position.use")
-        return RotaryEmbedding(shape.head_dim, self.options.base)
+        return RotaryEmbedding(shape.head_dim, self.options.base, scaled_frequencies(shape.head_dim, self.options))

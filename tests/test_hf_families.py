@@ -1,0 +1,90 @@
+"""Each Hugging Face family the architecture plugins read gives transformers' logits: a tiny randomly
+initialised model of that family, written by ``save_pretrained``, read back by lmlab from the folder
+(``Architecture.hf_tables`` / ``hf_state``, what ``[init] from`` uses), computes the same logits to
+1e-5 in float32."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lmlab import pretrained  # noqa: E402
+from lmlab_architectures.decoder import Decoder  # noqa: E402
+
+VOCAB = 67
+LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**LLAMA_LIKE),
+    "llama3-rope": lambda: transformers.LlamaConfig(**LLAMA_LIKE, rope_parameters=LLAMA3_ROPE),
+    "llama-linear-rope": lambda: transformers.LlamaConfig(
+        **LLAMA_LIKE, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "smollm-tied": lambda: transformers.LlamaConfig(**{**LLAMA_LIKE, "tie_word_embeddings": True}),
+    "mistral": lambda: transformers.MistralConfig(**LLAMA_LIKE, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA_LIKE),
+    "qwen3": lambda: transformers.Qwen3Config(**LLAMA_LIKE, head_dim=16),  # 6 heads of 16 ≠ 48 / 6
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=6),
+}
+
+
+def random_model(config):
+    """A seeded random model of ``config``'s family, its norms and biases drawn away from their
+    initial ones and zero (where a mistake in applying them would not show)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_saved_checkpoint_of_each_family_reads_back_with_transformers_logits(family, tmp_path):
+    hf = random_model(FAMILIES[family]())
+    hf.save_pretrained(tmp_path)
+    tables = Decoder.hf_tables(tmp_path)
+    model = pretrained.build(tables)
+    state = Decoder.hf_state(tmp_path)
+    if tables["model"]["tie_embeddings"]:
+        state.pop("head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"head.weight"}
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(idx).logits
+        ours = model.eval()(idx)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_each_familys_switches_are_plugin_options():
+    from lmlab_architectures import hf_gpt2, hf_llama
+
+    assert hf_llama.manifest_tables(FAMILIES["qwen2"]())["attention"] == {"use": "gqa", "n_kv_heads": 2,
+                                                                           "qkv_bias": True}
+    qwen3 = hf_llama.manifest_tables(FAMILIES["qwen3"]())
+    assert qwen3["attention"]["qk_norm"] is True and qwen3["model"]["head_dim"] == 16
+    assert hf_llama.manifest_tables(FAMILIES["llama3-rope"]())["position"] == {
+        "use": "rope", "base": 500000.0, "scaling": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_positions": 16}
+    gpt2 = hf_gpt2.manifest_tables(FAMILIES["gpt2"]())
+    assert gpt2["ffn"] == {"use": "mlp", "hidden": 192, "activation": "gelu-tanh"} and gpt2["model"]["bias"] is True
+
+
+@pytest.mark.parametrize("config, key", [
+    (lambda: transformers.MistralConfig(**{**LLAMA_LIKE, "sliding_window": 8}), "sliding_window"),
+    (lambda: transformers.LlamaConfig(**LLAMA_LIKE, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                      "factor": 2.0}), "rope_scaling"),
+    (lambda: transformers.LlamaConfig(**{**LLAMA_LIKE, "hidden_act": "gelu"}), "hidden_act"),
+    (lambda: transformers.GPT2Config(n_embd=48, n_head=6, scale_attn_by_inverse_layer_idx=True),
+     "scale_attn_by_inverse_layer_idx"),
+])
+def test_a_config_lmlab_cannot_express_is_refused_naming_its_key(config, key, tmp_path):
+    config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=key):
+        Decoder.hf_tables(tmp_path)
