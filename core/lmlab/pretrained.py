@@ -36,9 +36,10 @@ Nothing here imports Lightning; reading the tables needs no weights, so validati
 import hashlib
 import json
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from lmlab import gguf_in
+from lmlab.gguf_in import SUFFIX as GGUF_SUFFIX
 from lmlab.hf_folder import HUGGING_FACE, load_reader, reader_for
 from lmlab.upgrade import upgrade_recorded
 from lmlab.checkpoint import problem as checkpoint_problem
@@ -60,6 +61,8 @@ def locate(path: Path, checkpoint: str = "best") -> InitSource:
     def refuse(message: str):
         return UserError(f"{path}: {message}", key="init.from")
 
+    if path.is_file() and path.suffix == GGUF_SUFFIX:
+        return _hugging_face(path, gguf_in.converted(path), refuse)
     if path.is_file():
         run = path.parent.parent
         if path.suffix != ".ckpt" or path.parent.name != "checkpoints" or not (run / "manifest.toml").is_file():
@@ -82,22 +85,30 @@ def locate(path: Path, checkpoint: str = "best") -> InitSource:
         _check_readable(found[0], refuse)
         return InitSource(path, RUN, path, (found[0],), _run_tokenizer(path, refuse))
     if (path / "config.json").is_file():
-        name, reader, family = reader_for(path, refuse)
-        weights = reader.hf_weight_files(path)
-        missing = [p.name for p in weights if not p.is_file()]
-        if missing:
-            other = " (only safetensors are read: pickled .bin weights can run code; convert with "\
-                    "save_pretrained(..., safe_serialization=True))" if list(path.glob("*.bin")) else ""
-            raise refuse(f"a Hugging Face folder without {', '.join(missing)}{other}")
-        if not (path / "tokenizer.json").is_file():
-            raise refuse("a Hugging Face folder without tokenizer.json (the `hf` tokenizer reads the fast-tokenizer "
-                         "file; AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
-        return InitSource(path, HUGGING_FACE.format(family=family), path, tuple(weights), path, name)
+        return _hugging_face(path, path, refuse)
+    gguf = gguf_in.gguf_in_folder(path)
+    if gguf is not None:
+        return _hugging_face(gguf, gguf_in.converted(gguf), refuse)
     runs = sorted(p.name for p in path.iterdir() if (p / "manifest.toml").is_file())
     if runs:
         raise refuse(f"holds the runs of a sweep; name one of them ({', '.join(runs[:3])}"
                      f"{', ...' if len(runs) > 3 else ''})")
-    raise refuse("is neither a run folder (manifest.toml) nor a Hugging Face folder (config.json)")
+    raise refuse("is neither a run folder (manifest.toml), a Hugging Face folder (config.json) nor a GGUF file")
+
+
+def _hugging_face(path: Path, folder: Path, refuse) -> InitSource:
+    """``path`` read as the Hugging Face folder ``folder`` (itself, or a GGUF file's conversion)."""
+    name, reader, family = reader_for(folder, refuse)
+    weights = reader.hf_weight_files(folder)
+    missing = [p.name for p in weights if not p.is_file()]
+    if missing:
+        other = " (only safetensors are read: pickled .bin weights can run code; convert with "\
+                "save_pretrained(..., safe_serialization=True))" if list(folder.glob("*.bin")) else ""
+        raise refuse(f"a Hugging Face folder without {', '.join(missing)}{other}")
+    if not (folder / "tokenizer.json").is_file():
+        raise refuse("a Hugging Face folder without tokenizer.json (the `hf` tokenizer reads the fast-tokenizer "
+                     "file; AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
+    return InitSource(path, HUGGING_FACE.format(family=family), folder, tuple(weights), folder, name)
 
 
 def _check_finished(run: Path, refuse) -> None:

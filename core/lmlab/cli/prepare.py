@@ -43,6 +43,7 @@ def main(args) -> int:
         require_dask()  # before the manifest is read and its data hashed
     variants = manifest.load(args.manifest, args.overrides)
 
+    from lmlab.cache_dir import cache_root
     from lmlab.prepare import entry, pipeline
     from lmlab.prepare.key_index import WorkerLost
 
@@ -53,7 +54,7 @@ def main(args) -> int:
             done[key].append(variant.name)
             continue
         done[key] = [variant.name]
-        cached = entry.problem(pipeline.cache_root() / "tokens" / key) is None  # verified: prepare won't hash again
+        cached = entry.problem(cache_root() / "tokens" / key) is None  # verified: prepare won't hash again
         try:
             folder = pipeline.prepare_corpus(variant, workers=args.workers, shard_mb=args.shard_mb, key=key,
                                              executor=args.executor, scheduler=args.scheduler)

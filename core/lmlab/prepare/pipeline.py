@@ -47,6 +47,7 @@ from pathlib import Path
 import lmlab
 from lmlab import discovery, pretrained
 from lmlab.errors import UserError, warn
+from lmlab.cache_dir import cache_root
 from lmlab.prepare import entry
 from lmlab.prepare.report import Progress
 from lmlab.prepare.shards import FORMAT
@@ -54,16 +55,6 @@ from lmlab.prepare.stages import Build, Listener, filter_specs
 from lmlab.prepare.work import Workers
 
 DEFAULT_SHARD_MB = 16.0
-
-
-def cache_root() -> Path:
-    if os.environ.get("LMLAB_CACHE"):
-        return Path(os.environ["LMLAB_CACHE"])
-    try:
-        return Path.home() / ".cache" / "lmlab"
-    except RuntimeError:  # no HOME and no user database entry
-        raise UserError("there is no home folder for the token cache; set the LMLAB_CACHE environment "
-                        "variable to a writable folder") from None
 
 
 def default_workers() -> int:
