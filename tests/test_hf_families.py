@@ -88,3 +88,40 @@ def test_a_config_lmlab_cannot_express_is_refused_naming_its_key(config, key, tm
     config().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=key):
         Decoder.hf_tables(tmp_path)
+
+
+EXPORTED = ["llama", "llama3-rope", "llama-linear-rope", "smollm-tied", "qwen2", "qwen3", "gpt2"]
+
+
+@pytest.mark.parametrize("family", EXPORTED)
+def test_an_lmlab_model_of_each_family_exports_to_a_checkpoint_transformers_computes_alike(family):
+    """hf_export is hf_tables/hf_state's inverse: the exported config and weights, loaded by transformers'
+    own class, give the lmlab model's logits (the same as the original's: read in, written out)."""
+    from lmlab_architectures import hf_gpt2, hf_llama
+
+    hf = random_model(FAMILIES[family]())
+    reader = hf_gpt2 if family == "gpt2" else hf_llama
+    ours = reader.from_hf(hf, pretrained.build).eval()
+    tables = {**reader.manifest_tables(hf.config)}
+    tables["architecture"] = {"use": "decoder", "layers": "", "exit_layers": []}
+    config, state = Decoder.hf_export(tables, ours.state_dict())
+    again = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config),
+                                                          dtype=torch.float32).eval()
+    missing, unexpected = again.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
+    again.tie_weights()
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (again(idx).logits - ours(idx)).abs().max().item() <= 1e-5
+    assert type(again).__name__ == config["architectures"][0]
+
+
+@pytest.mark.parametrize("change, key", [({"attention": {"use": "mamba"}}, "attention.use"),
+                                         ({"position": {"use": "alibi"}}, "position.use"),
+                                         ({"architecture": {"use": "decoder", "layers": "MA"}}, "architecture.layers")])
+def test_a_model_no_family_can_hold_is_refused_naming_the_key(change, key):
+    from lmlab_architectures import hf_llama
+
+    tables = {**hf_llama.manifest_tables(FAMILIES["llama"]()), "architecture": {"use": "decoder"}, **change}
+    with pytest.raises(ValueError, match=key):
+        Decoder.hf_export(tables, {})

@@ -22,7 +22,7 @@ from lmlab_architectures import hf_llama
 from lmlab.prepare import tokens as token_cache
 
 from conftest import CORPUS, tiny_toml
-from support import random_llama
+from support import hf_folder, random_llama
 
 BASE = tiny_toml("tiny.txt", name="base", sample_tokens=0)
 
@@ -233,28 +233,6 @@ def test_a_missing_weight_is_refused_unless_not_strict():
 
 
 # -- a Hugging Face folder -------------------------------------------------------------------------
-
-def hf_folder(root, text: str, tie: bool = False, shard: bool = False):
-    """A tiny random LlamaForCausalLM saved by save_pretrained, with a byte-level BPE tokenizer trained
-    here on ``text`` (what a user's downloaded model folder holds, at toy size)."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    model = random_llama(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=tie)
-    folder = root / "hf-llama"
-    model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": "60KB"} if shard else {}))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
-    return folder, model
-
 
 def test_a_run_from_a_hugging_face_folder_has_its_logits_then_trains(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")

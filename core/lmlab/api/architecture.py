@@ -62,6 +62,11 @@ FAMILIES = ("decoder", "encoder", "encoder-decoder")
 DECODER, ENCODER, ENCODER_DECODER = FAMILIES
 
 
+#: What ``lmlab export --format`` writes (API 1.20): ``hf``, a Hugging Face folder, through
+#: :meth:`Architecture.hf_export` and ``Tokenizer.save_hf``.
+EXPORT_FORMATS = ("hf",)
+
+
 #: Early exit's keys, which moved from the core's tables to the architecture's options (API 1.19):
 #: (table, key) → the architecture option it became. ``train.train_only = "exit_heads"`` became
 #: ``train_only_exits = true``.
@@ -149,6 +154,17 @@ class Architecture(Plugin):
         builds (each tensor on the CPU, shaped as that model's parameter), converted so that the
         model computes what the checkpoint's does. Raise ImportError when a package it reads with
         (safetensors) is missing."""
+        raise NotImplementedError
+
+    @classmethod
+    def hf_export(cls, tables: dict[str, dict], state: dict[str, "torch.Tensor"]) -> tuple[dict, dict]:
+        """The Hugging Face checkpoint of a model this architecture built (API 1.20, ``lmlab export
+        --format hf``): config.json's values (``model_type`` and ``architectures`` included) and the
+        state dict in the family's names, such that transformers computes what the model computes.
+        ``tables``: the run's ``model`` (its ``vocab_size`` the model's), ``architecture``,
+        ``position``, ``attention`` and ``ffn`` tables as recorded; ``state``: the model's weights.
+        Raise ValueError naming the table key no family this architecture writes can express
+        (``attention.use: 'mamba'``). Default: NotImplementedError, no export."""
         raise NotImplementedError
 
     def family(self, trains: tuple[str, ...], objective: str) -> str:

@@ -151,6 +151,13 @@ class Tokenizer(Plugin):
         for the same state. Default: nothing to write.
         """
 
+    def save_hf(self, directory: Path) -> None:
+        """Write, into the existing folder ``directory``, the files transformers' ``AutoTokenizer``
+        loads as this fitted tokenizer, encoding and decoding text to the same ids (API 1.20,
+        ``lmlab export --format hf``): ``tokenizer.json`` and ``tokenizer_config.json`` with the
+        special tokens. Default: NotImplementedError; the export then says it wrote no tokenizer."""
+        raise NotImplementedError
+
     def load(self, directory: Path) -> None:
         """Restore, into a fresh instance built from the same options, the state written by
         [save][lmlab.api.tokenizer.Tokenizer.save] into ``directory``.

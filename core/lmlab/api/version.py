@@ -208,6 +208,11 @@ and raise the bound when the plugin starts to use a newer one.
      ``lmlab.api.options.refuse_moved``: the one-line refusal of a key an API version moved, which the
      core's three moves (to the architecture slot, the order slot, the architecture's options) share
      and a plugin may use for its own renamed options.
+     Checkpoints out and other families in: ``Architecture.hf_export(tables, state)`` (config.json and
+     the state dict of a Hugging Face checkpoint computing what the model computes, for ``lmlab
+     export --format hf``), ``Tokenizer.save_hf(folder)`` (the files transformers' AutoTokenizer
+     loads), ``ModelShape.explicit_head_dim`` with ``[model] head_dim`` (heads sized apart from the
+     width, Qwen3).
 """
 
 API_VERSION = "1.20"

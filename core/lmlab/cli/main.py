@@ -21,6 +21,7 @@ VERBS = {
     "serve": "serves a trained run over an OpenAI-compatible HTTP API (completions, chat, streaming)",
     "doctor": "prints a run's failure diagnosis (cause, evidence, fixes) and its health from what it recorded",
     "merge": "folds a PEFT run's adapter into its base weights and writes a plain model",
+    "export": "writes a trained run as a Hugging Face folder that transformers loads",
     "eval": "scores a trained run's greedy answers to held-out instruction records (exact match)",
     "rerun": "trains a run again from its recorded manifest and says where the environment differs",
     "new-plugin": "scaffolds a third-party plugin distribution (code, tests, README, example manifest)",

@@ -37,7 +37,7 @@ class Decoder(ReadsHF, Architecture):
     """Decoder-only transformer (GPT; encoder-only under a bidirectional objective): pre-norm blocks, x +
     mixer(norm x), then x + ffn(norm x); a layer pattern of mixers makes hybrids."""
 
-    api = ">=1.19,<2"  # Stack.extra_heads, add_modules, init_missing; Plugin.free_options
+    api = ">=1.20,<2"  # hf_export; Stack.extra_heads, add_modules, init_missing; Plugin.free_options (1.19)
     Options = DecoderOptions
     free_options = early_exit.FREE_OPTIONS
     families = ("decoder", "encoder")
@@ -46,6 +46,15 @@ class Decoder(ReadsHF, Architecture):
     block: type = Block
     hf_model_types = {**hf_llama.MODEL_TYPES, hf_gpt2.MODEL_TYPE: "GPT-2"}
     hf_readers = {**dict.fromkeys(hf_llama.MODEL_TYPES, hf_llama), hf_gpt2.MODEL_TYPE: hf_gpt2}
+
+    @classmethod
+    def hf_export(cls, tables: dict, state: dict) -> tuple[dict, dict]:
+        own = tables["architecture"]
+        if own.get("layers"):
+            raise ValueError("architecture.layers: a layer pattern of mixers has no Hugging Face family")
+        if own.get("exit_layers"):
+            raise ValueError("architecture.exit_layers: exit heads have no place in a Hugging Face checkpoint")
+        return super().hf_export(tables, state)
 
     def check(self, context: CheckContext) -> None:
         pattern(self.options, context.shape.n_layers)

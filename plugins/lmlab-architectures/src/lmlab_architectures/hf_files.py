@@ -35,6 +35,17 @@ class ReadsHF:
     def hf_state(cls, folder: Path) -> dict:
         return cls.hf_reader(folder).read_state(folder)
 
+    @classmethod
+    def hf_export(cls, tables: dict, state: dict) -> tuple[dict, dict]:
+        """Written by the first reader whose family holds the model (``writable`` says why not)."""
+        why = []
+        for reader in dict.fromkeys(cls.hf_readers.values()):
+            problem = reader.writable(tables)
+            if problem is None:
+                return reader.to_hf(tables, state)
+            why.append(problem)
+        raise ValueError("; ".join(why) or f"architecture {cls.name!r} writes no Hugging Face checkpoints")
+
 
 def model_type(folder: Path) -> str | None:
     """config.json's model_type."""

@@ -90,3 +90,45 @@ def read_config(folder: Path) -> SimpleNamespace:
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
     """The state dict of a GPT-2 folder in lmlab's names (`state_dict_from_hf`)."""
     return state_dict_from_hf(hf_files.read_weights(folder), read_config(folder).n_layer)
+
+
+# -- lmlab → Hugging Face ------------------------------------------------------------------------------
+
+def writable(tables: dict) -> str | None:
+    """Why the model of ``tables`` is no GPT-2 checkpoint (naming the key), or None."""
+    m, f = tables["model"], tables["ffn"]
+    for key, value, wanted in (("position.use", tables["position"]["use"], "learned"),
+                               ("attention.use", tables["attention"]["use"], "mha"), ("ffn.use", f["use"], "mlp"),
+                               ("model.norm", m["norm"], "layernorm"), ("model.bias", m["bias"], True),
+                               ("model.tie_embeddings", m["tie_embeddings"], True)):
+        if value != wanted:
+            return f"{key}: {value!r} (GPT-2 has {wanted!r})"
+    if f.get("activation") not in ("gelu-tanh", "gelu", "relu"):
+        return f"ffn.activation: {f.get('activation')!r}"
+    attention = tables["attention"]
+    if attention.get("qk_norm") or attention.get("qkv_bias") is False:
+        return "attention.qk_norm / qkv_bias: GPT-2's attention has neither switch"
+    return None
+
+
+def to_hf(tables: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the state dict of the GPT-2 checkpoint that computes what the lmlab model of
+    ``tables`` with ``state`` computes (Conv1D weights transposed back, q, k and v fused)."""
+    m, f = tables["model"], tables["ffn"]
+    activation = {"gelu-tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[f["activation"]]
+    config = {"model_type": MODEL_TYPE, "architectures": ["GPT2LMHeadModel"], "vocab_size": m["vocab_size"],
+              "n_positions": m["block_size"], "n_embd": m["d_model"], "n_layer": m["n_layers"], "n_head": m["n_heads"],
+              "n_inner": f["hidden"], "activation_function": activation, "layer_norm_epsilon": m["norm_eps"],
+              "tie_word_embeddings": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    out = {"transformer.wte.weight": state["tok_emb.weight"], "transformer.wpe.weight": state["position.wpe.weight"],
+           "transformer.ln_f.weight": state["norm_f.weight"], "transformer.ln_f.bias": state["norm_f.bias"]}
+    for i in range(m["n_layers"]):
+        hf, lm = f"transformer.h.{i}.", f"blocks.{i}."
+        out[f"{hf}attn.c_attn.weight"] = torch.cat([state[f"{lm}attn.{x}_proj.weight"] for x in "qkv"]).t()
+        out[f"{hf}attn.c_attn.bias"] = torch.cat([state[f"{lm}attn.{x}_proj.bias"] for x in "qkv"])
+        for theirs, ours in (("attn.c_proj", "attn.out_proj"), ("mlp.c_fc", "ffn.c_fc"), ("mlp.c_proj", "ffn.c_proj")):
+            out[f"{hf}{theirs}.weight"] = state[f"{lm}{ours}.weight"].t()
+            out[f"{hf}{theirs}.bias"] = state[f"{lm}{ours}.bias"]
+        for theirs, ours in (("ln_1", "norm1"), ("ln_2", "norm2")):
+            out[f"{hf}{theirs}.weight"], out[f"{hf}{theirs}.bias"] = state[f"{lm}{ours}.weight"], state[f"{lm}{ours}.bias"]
+    return config, {k: v.contiguous() for k, v in out.items()}

@@ -162,3 +162,59 @@ def read_config(folder: Path) -> SimpleNamespace:
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
     """The state dict of a Llama-family folder in lmlab's names (`state_dict_from_hf`)."""
     return state_dict_from_hf(hf_files.read_weights(folder), read_config(folder).num_hidden_layers)
+
+
+# -- lmlab → Hugging Face ------------------------------------------------------------------------------
+
+#: model_type → the transformers class that loads it (config.json's ``architectures``).
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def writable(tables: dict) -> str | None:
+    """Why the model of ``tables`` is no Llama-family checkpoint (naming the key), or None."""
+    m, p, a, f = tables["model"], tables["position"], tables["attention"], tables["ffn"]
+    for key, value, wanted in (("position.use", p["use"], ("rope",)), ("attention.use", a["use"], ("gqa", "mha", "mqa")),
+                               ("ffn.use", f["use"], ("swiglu",)), ("model.norm", m["norm"], ("rmsnorm",))):
+        if value not in wanted:
+            return f"{key}: {value!r} (the Llama family has {' or '.join(wanted)})"
+    if a.get("qkv_bias") is not None and a["qkv_bias"] != m["bias"] and (m["bias"] or a.get("qk_norm")):
+        return "attention.qkv_bias: biases on q, k and v alone, with others elsewhere, is no Llama-family layout"
+    if a.get("qk_norm") and m["bias"]:
+        return "model.bias: Qwen3 (the family with qk_norm) has no feed-forward biases"
+    return None
+
+
+def to_hf(tables: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the state dict of the Llama-family checkpoint (llama, qwen2 or qwen3) that
+    computes what the lmlab model of ``tables`` with ``state`` computes (the inverse of
+    `manifest_tables` and `state_dict_from_hf`)."""
+    m, p, a = tables["model"], tables["position"], tables["attention"]
+    heads = m["n_heads"]
+    kind = "qwen3" if a.get("qk_norm") else "qwen2" if a.get("qkv_bias") and not m["bias"] else "llama"
+    kv_heads = {"mha": heads, "mqa": 1}.get(a["use"]) or a.get("n_kv_heads") or heads
+    config = {"model_type": kind, "architectures": [CAUSAL_LM[kind]], "vocab_size": m["vocab_size"],
+              "hidden_size": m["d_model"], "intermediate_size": tables["ffn"]["hidden"],
+              "num_hidden_layers": m["n_layers"], "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": m.get("head_dim") or m["d_model"] // heads, "hidden_act": "silu",
+              "max_position_embeddings": m["block_size"], "rms_norm_eps": m["norm_eps"],
+              "tie_word_embeddings": m["tie_embeddings"], "attention_bias": m["bias"], "mlp_bias": m["bias"],
+              "rope_theta": p["base"], "rope_scaling": _rope_scaling(p), "use_sliding_window": False,
+              "sliding_window": None}
+    out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm_f.weight"]}
+    if not m["tie_embeddings"]:
+        out["lm_head.weight"] = state["head.weight"]
+    for i in range(m["n_layers"]):
+        for theirs, ours in LAYER_NAMES:
+            for suffix in ("weight", "bias"):
+                if f"blocks.{i}.{ours}.{suffix}" in state:
+                    out[f"model.layers.{i}.{theirs}.{suffix}"] = state[f"blocks.{i}.{ours}.{suffix}"]
+    return config, out
+
+
+def _rope_scaling(p: dict) -> dict | None:
+    if p.get("scaling", "none") == "none":
+        return None
+    if p["scaling"] == "linear":
+        return {"rope_type": "linear", "factor": p["factor"]}
+    return {"rope_type": "llama3", "factor": p["factor"], "low_freq_factor": p["low_freq_factor"],
+            "high_freq_factor": p["high_freq_factor"], "original_max_position_embeddings": p["original_max_positions"]}

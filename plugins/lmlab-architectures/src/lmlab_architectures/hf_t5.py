@@ -188,3 +188,8 @@ def read_config(folder: Path) -> SimpleNamespace:
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
     """The state dict of a T5ForConditionalGeneration folder in lmlab's names (`state_dict_from_hf`)."""
     return state_dict_from_hf(hf_files.read_weights(folder), read_config(folder))
+
+
+def writable(tables: dict) -> str | None:
+    """Export to T5 checkpoints is not written yet: always the reason."""
+    return "architecture.use: 'encoder-decoder' models are not exported to Hugging Face T5 checkpoints yet"

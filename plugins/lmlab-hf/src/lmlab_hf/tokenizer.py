@@ -56,7 +56,7 @@ class HFTokenizer(Tokenizer):
     """``hf``: the tokenizer.json of a pretrained model, through the ``tokenizers`` library."""
 
     Options = HFTokenizerOptions
-    api = ">=1.5,<2"  # fingerprint (an older core would reuse tokens of a replaced tokenizer.json); special_id
+    api = ">=1.20,<2"  # save_hf; fingerprint (1.5: an older core would reuse tokens of a replaced tokenizer.json); special_id
 
     def __init__(self, options: HFTokenizerOptions | None = None):
         super().__init__(options)
@@ -105,6 +105,14 @@ class HFTokenizer(Tokenizer):
         self._fitted()
         (Path(directory) / TOKENIZER_FILE).write_bytes(self.json_bytes)
         (Path(directory) / STATE_FILE).write_text(json.dumps({"special": self.special}, indent=1, sort_keys=True))
+
+    def save_hf(self, directory: Path) -> None:
+        """tokenizer.json as read, and a tokenizer_config.json naming the special tokens by their pieces."""
+        (Path(directory) / TOKENIZER_FILE).write_bytes(self.json_bytes)
+        pieces = {f"{name}_token": self._fitted().id_to_token(i) for name, i in sorted(self.special.items())
+                  if name in ("bos", "eos", "unk", "pad", "mask", "sep", "cls")}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **pieces}
+        (Path(directory) / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     def _use(self, json_bytes: bytes, folder: Path, special: dict | None = None, key: str | None = None) -> None:
         try:
