@@ -1,5 +1,6 @@
 """Helpers shared by the core's tests (importable: pytest puts tests/ on sys.path)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -140,3 +141,37 @@ def hf_folder(root, text: str, tie: bool = False, shard: bool = False):
     model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": "60KB"} if shard else {}))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
     return folder, model
+
+
+@contextlib.contextmanager
+def serving(service, api_key: str | None = None):
+    """The app on a free port of 127.0.0.1 in a background thread; yields its base URL."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from lmlab.serve.app import create_app, listen
+
+    sock = listen("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning"))
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5, headers=auth).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

@@ -23,13 +23,8 @@ if SPEC is None:
 GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("gguf-cache")
-
-
-def test_the_gguf_file_gives_transformers_logits_and_is_converted_once(cache, monkeypatch):
-    monkeypatch.setenv("LMLAB_CACHE", str(cache))
+def test_the_gguf_file_gives_transformers_logits_and_is_converted_once():
+    # The session's cache (conftest): converted here or by another test of this session, then read back.
     source = pretrained.locate(GGUF)
     started = time.perf_counter()
     again = pretrained.locate(GGUF.parent)  # the folder that holds it: the same file, now from the cache

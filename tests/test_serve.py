@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from support import ROOT, refused, run_cli, start_cli, wait_for
+from support import ROOT, refused, run_cli, serving, start_cli, wait_for
 
 MODEL = "tiny-chat"
 
@@ -101,36 +101,6 @@ def make_service(run, **settings):
     settings.setdefault("template", run.plugins["data"].chat_template())
     settings.setdefault("decoder", sampler())
     return Service(run.model, run.tokenizer, model_id=MODEL, data_name="alpaca", **settings)
-
-
-@contextlib.contextmanager
-def serving(service, api_key: str | None = None):
-    """The app on a free port of 127.0.0.1 in a background thread; yields its base URL."""
-    import uvicorn
-
-    from lmlab.serve.app import create_app, listen
-
-    sock = listen("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning"))
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5, headers=auth).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +333,9 @@ class Chars:
 
     def decode(self, ids):
         return "".join(self.alphabet[i] for i in ids)
+
+    def chat_template(self):
+        return None
 
 
 def test_a_model_without_a_shared_cache_is_served_row_by_row_with_the_same_text():

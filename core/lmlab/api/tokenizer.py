@@ -151,6 +151,15 @@ class Tokenizer(Plugin):
         for the same state. Default: nothing to write.
         """
 
+    def chat_template(self) -> str | None:
+        """The model's own chat template (API 1.20): the Jinja source that turns a conversation
+        (``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``) into the text the
+        model was tuned on, as a pretrained model's tokenizer files give it (``chat_template.jinja``,
+        ``tokenizer_config.json``). ``lmlab serve``'s chat completions and ``lmlab generate
+        --messages`` render it in a sandbox. Default: None, no template of its own (a data plugin's
+        ``chat_template`` may stand in)."""
+        return None
+
     def save_hf(self, directory: Path) -> None:
         """Write, into the existing folder ``directory``, the files transformers' ``AutoTokenizer``
         loads as this fitted tokenizer, encoding and decoding text to the same ids (API 1.20,

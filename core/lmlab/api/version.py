@@ -211,8 +211,9 @@ and raise the bound when the plugin starts to use a newer one.
      Checkpoints out and other families in: ``Architecture.hf_export(tables, state)`` (config.json and
      the state dict of a Hugging Face checkpoint computing what the model computes, for ``lmlab
      export --format hf``), ``Tokenizer.save_hf(folder)`` (the files transformers' AutoTokenizer
-     loads), ``ModelShape.explicit_head_dim`` with ``[model] head_dim`` (heads sized apart from the
-     width, Qwen3).
+     loads), ``Tokenizer.chat_template()`` (the model's own Jinja chat template, rendered by ``lmlab
+     serve`` and ``lmlab generate --messages/--chat``), ``ModelShape.explicit_head_dim`` with
+     ``[model] head_dim`` (heads sized apart from the width, Qwen3).
 """
 
 API_VERSION = "1.20"

@@ -4,6 +4,10 @@ One ``--prompt`` streams its continuation; ``--prompts FILE`` (one prompt per li
 with a ``"prompt"``) decodes them all as one batch and writes one JSON line per prompt as it
 finishes. Either way the speed (new tokens per second) goes to stderr, with what the model's own
 engine reports of how it decoded (``Engine.report``: early exit's average exit layer).
+
+A run whose tokenizer has its model's chat template (``Tokenizer.chat_template``) also chats:
+``--messages FILE`` answers a conversation (a JSON list of {"role", "content"}, or one such object per
+line) and ``--chat`` holds one, a line of yours then the model's answer, until end of input.
 """
 
 import json
@@ -18,6 +22,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                         help="prompts to continue as one batch: one per line, or JSONL with a \"prompt\" field")
+    parser.add_argument("--messages", type=Path, default=None, metavar="FILE",
+                        help="a conversation to answer through the model's chat template: a JSON list of "
+                             "{\"role\", \"content\"}, or one per line")
+    parser.add_argument("--chat", action="store_true",
+                        help="talk with the model through its chat template, a line at a time (until end of input)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end a continuation at this text (not included); repeatable")
@@ -51,7 +60,33 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def read_messages(path: Path) -> list[dict]:
+    """A conversation file: a JSON list of messages, or JSONL with one message per line; each a
+    {"role": system|user|assistant, "content": text}, the last the user's."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc}", key="--messages") from exc
+    try:
+        messages = json.loads(text) if text.lstrip().startswith("[") else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})", key="--messages") from exc
+    for n, message in enumerate(messages, 1):
+        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+            raise UserError(f"{path}: message {n} needs a role ({', '.join(ROLES)}) and a string content; got "
+                            f"{json.dumps(message)[:80]}", key="--messages")
+    if not messages or messages[-1]["role"] != "user":
+        raise UserError(f"{path}: the last message must be the user's: the model answers it", key="--messages")
+    return messages
+
+
+ROLES = ("system", "user", "assistant")
+
+
 def main(args) -> int:
+    if args.messages is not None or args.chat:
+        return chat(args)
     if args.max_new_tokens < 1:
         raise UserError("must be positive", key="--max-new-tokens")
     if any(s == "" for s in args.stop):
@@ -99,4 +134,42 @@ def main(args) -> int:
     how = result.note or f"{cache} cache"  # a model's own engine says what stands for the cache
     print(f"{result.tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} tokens/s "
           f"({len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {decoder.name}, {how})", file=sys.stderr)
+    return 0
+
+
+def chat(args) -> int:
+    """--messages FILE: one answer; --chat: a conversation on stdin and stdout."""
+    from lmlab.chat_template import prompt_text
+    from lmlab.generation.batch import generate_texts
+    from lmlab.generation.runs import prepare_decoder
+    from lmlab.trained import load_run, refuse_bidirectional
+
+    if args.prompt is not None or args.prompts is not None or (args.messages is not None and args.chat):
+        raise UserError("give one of --prompt, --prompts, --messages, --chat", key="--messages" if args.messages
+                        else "--chat")
+    messages = read_messages(args.messages) if args.messages is not None else []
+    run = load_run(args.run_dir, args.overrides)
+    refuse_bidirectional(run.objective)
+    if run.tokenizer.chat_template() is None:
+        raise UserError(f"its tokenizer ({run.variant.uses('tokenizer')}) has no chat template of the model's own: "
+                        "chat needs a run started from a chat model's checkpoint; use --prompt", key=str(args.run_dir))
+    decoder = run.plugins["decoding"]
+    prepare_decoder(decoder, run)
+
+    def answer(conversation: list[dict]) -> str:
+        text = prompt_text(run.tokenizer, conversation, where=str(args.messages or "--chat"))
+        result = generate_texts(run.model, run.tokenizer, decoder, [text], args.max_new_tokens, stop=args.stop,
+                                seed=args.seed, on_text=lambda i, piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return result.outputs.completions[0].text
+
+    if not args.chat:
+        answer(messages)
+        return 0
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        messages.append({"role": "assistant", "content": answer(messages)})
     return 0

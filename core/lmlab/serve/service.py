@@ -26,7 +26,14 @@ class LockedTokenizer:
         self.inner = tokenizer
         self.eos_id = tokenizer.eos_id
         self.vocab_size = tokenizer.vocab_size
+        self.template = tokenizer.chat_template()  # the model's own (API 1.20), or None
         self._lock = threading.Lock()
+
+    def chat_template(self) -> str | None:
+        return self.template
+
+    def special_id(self, name: str) -> int | None:
+        return self.inner.special_id(name)
 
     def encode(self, text: str):
         with self._lock:
@@ -111,6 +118,8 @@ class Service:
 
     def chat_job(self, request: ChatRequest) -> Job:
         self.check_model(request.model)
+        if self.tokenizer.chat_template() is not None:
+            return self._own_template_job(request)
         if self.template is None:
             raise ApiError(400, f"this run has no chat template: its data source ({self.data_name or 'unknown'}) "
                                 "gives none, so chat completions are not offered; use /v1/completions, or serve a "
@@ -126,6 +135,22 @@ class Service:
         max_tokens = request.max_tokens if request.max_tokens is not None else self.context - len(ids)
         stops = ([self.template.stop] if self.template.stop else []) + request.stops()
         return self._job(ids, max_tokens, request, stops, options)
+
+    def _own_template_job(self, request: ChatRequest) -> Job:
+        """The whole conversation through the model's own chat template; the answer ends at EOS."""
+        from lmlab.chat_template import prompt_ids
+
+        options = self.request_options(request.decoder_fields())
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in request.messages]
+        try:
+            ids = prompt_ids(self.tokenizer, messages)
+        except UserError as exc:
+            raise ApiError(400, str(exc), "messages", "chat_template_failed") from None
+        if len(ids) >= self.context:
+            raise ApiError(400, f"the conversation is {len(ids)} tokens; this model's context is {self.context} tokens",
+                           "messages", "context_length_exceeded")
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.context - len(ids)
+        return self._job(ids, max_tokens, request, request.stops(), options)
 
     def _job(self, ids: list[int], max_tokens: int, request, stops: list[str], options) -> Job:
         if len(ids) + max_tokens > self.context:

@@ -37,6 +37,7 @@ STATE_FILE = "lmlab_hf.json"
 # The files besides tokenizer.json that the special token ids come from (see special_ids): the
 # tokenizer's config names the tokens, the model's configs give bos/eos/pad as ids.
 TOKENIZER_CONFIG = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 MODEL_CONFIGS = ("generation_config.json", "config.json")
 CONFIG_FILES = (TOKENIZER_CONFIG, *MODEL_CONFIGS)
 SPECIAL_NAMES = ("bos", "eos", "unk", "pad", "mask", "sep", "cls")
@@ -63,6 +64,7 @@ class HFTokenizer(Tokenizer):
         self.tokenizer: FastTokenizer | None = None
         self.json_bytes = b""
         self.special: dict[str, int] = {}
+        self.template: str | None = None  # the model's chat template (chat_template.jinja)
 
     # -- "fitting": reading the pretrained tokenizer ----------------------------------------------
 
@@ -105,10 +107,18 @@ class HFTokenizer(Tokenizer):
         self._fitted()
         (Path(directory) / TOKENIZER_FILE).write_bytes(self.json_bytes)
         (Path(directory) / STATE_FILE).write_text(json.dumps({"special": self.special}, indent=1, sort_keys=True))
+        if self.template is not None:
+            (Path(directory) / TEMPLATE_FILE).write_text(self.template, encoding="utf-8")
+
+    def chat_template(self) -> str | None:
+        return self.template
 
     def save_hf(self, directory: Path) -> None:
-        """tokenizer.json as read, and a tokenizer_config.json naming the special tokens by their pieces."""
+        """tokenizer.json as read, the chat template, and a tokenizer_config.json naming the special
+        tokens by their pieces."""
         (Path(directory) / TOKENIZER_FILE).write_bytes(self.json_bytes)
+        if self.template is not None:
+            (Path(directory) / TEMPLATE_FILE).write_text(self.template, encoding="utf-8")
         pieces = {f"{name}_token": self._fitted().id_to_token(i) for name, i in sorted(self.special.items())
                   if name in ("bos", "eos", "unk", "pad", "mask", "sep", "cls")}
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **pieces}
@@ -121,6 +131,7 @@ class HFTokenizer(Tokenizer):
             raise UserError(f"{folder / TOKENIZER_FILE}: not a tokenizers file: {exc}", key=key) from None
         tokenizer.encode_special_tokens = self.options.split_special_tokens
         self.tokenizer, self.json_bytes = tokenizer, json_bytes
+        self.template = chat_template(folder)
         self.special = {k: int(v) for k, v in special.items()} if special is not None else special_ids(folder, tokenizer)
         self._size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
@@ -195,6 +206,18 @@ def special_ids(folder: Path, tokenizer: FastTokenizer) -> dict[str, int]:
     if "unk" not in special and isinstance(unk_id, int):
         special["unk"] = unk_id
     return special
+
+
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template: chat_template.jinja (transformers ≥ 4.47 writes it apart), else
+    tokenizer_config.json's ``chat_template`` (a string, or named templates of which ``default``)."""
+    path = Path(folder) / TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    given = _read_json(Path(folder) / TOKENIZER_CONFIG).get("chat_template")
+    if isinstance(given, list):
+        given = next((t.get("template") for t in given if isinstance(t, dict) and t.get("name") == "default"), None)
+    return given if isinstance(given, str) and given.strip() else None
 
 
 def _read_json(path: Path) -> dict:

