@@ -102,10 +102,25 @@ def test_serve_answers_the_whole_conversation_through_the_models_template(smol_r
         assert "Paris" in many.choices[0].message.content
 
 
-def test_the_exported_folder_keeps_the_chat_template(smol_run, tmp_path):
+def test_the_exported_folder_keeps_the_chat_template_and_answers_alike(smol_run, tmp_path):
+    import torch
+
+    from lmlab.chat_template import prompt_ids
+    from lmlab.trained import load_run
+
     out = tmp_path / "smol-hf"
     assert main(["export", str(smol_run), "--format", "hf", "--out", str(out)]) == 0
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     original = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
     assert theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == \
         original.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    # transformers' greedy answer from the exported folder is the run's, token for token.
+    run = load_run(smol_run)
+    idx = torch.tensor([prompt_ids(run.tokenizer, QUESTION)])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    answer = exported.generate(idx, max_new_tokens=8, do_sample=False, pad_token_id=theirs.eos_token_id)
+    with torch.no_grad():
+        mine = idx
+        for _ in range(8):
+            mine = torch.cat([mine, run.model(mine)[:, -1:].argmax(-1)], dim=1)
+    assert answer.tolist() == mine.tolist() and "Paris" in theirs.decode(answer[0, idx.shape[1]:])
