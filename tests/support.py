@@ -119,9 +119,10 @@ use = "none"
     return str(path)
 
 
-def hf_folder(root, text: str, tie: bool = False, shard: bool = False):
+def hf_folder(root, text: str, tie: bool = False, shard: bool = False, chat_template: str | None = None):
     """A tiny random LlamaForCausalLM saved by save_pretrained, with a byte-level BPE tokenizer trained
-    here on ``text`` (what a user's downloaded model folder holds, at toy size)."""
+    here on ``text`` (what a user's downloaded model folder holds, at toy size); with ``chat_template``,
+    the tokenizer has ChatML's <|im_start|> and <|im_end|> and that template."""
     import pytest
 
     transformers = pytest.importorskip("transformers")
@@ -131,7 +132,8 @@ def hf_folder(root, text: str, tie: bool = False, shard: bool = False):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=384, special_tokens=["<s>", "</s>", *(["<|im_start|>", "<|im_end|>"] if chat_template else [])],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     model = random_llama(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -139,7 +141,11 @@ def hf_folder(root, text: str, tie: bool = False, shard: bool = False):
         bos_token_id=0, eos_token_id=1, tie_word_embeddings=tie)
     folder = root / "hf-llama"
     model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": "60KB"} if shard else {}))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if chat_template:
+        fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
     return folder, model
 
 

@@ -124,3 +124,89 @@ def test_the_exported_folder_keeps_the_chat_template_and_answers_alike(smol_run,
         for _ in range(8):
             mine = torch.cat([mine, run.model(mine)[:, -1:].argmax(-1)], dim=1)
     assert answer.tolist() == mine.tolist() and "Paris" in theirs.decode(answer[0, idx.shape[1]:])
+
+
+def arithmetic_chats(numbers) -> list[dict]:
+    """Sums answered in a house style the pretrained model does not use: what LoRA SFT has to teach."""
+    return [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                          {"role": "assistant", "content": f"Sum => {a + b}. Done!"}]} for a, b in numbers]
+
+
+def assistant_loss(model, tokenizer, conversations) -> float:
+    """Mean cross-entropy of the assistant's tokens, the conversations written out as preparing them does."""
+    import torch
+    import torch.nn.functional as F
+
+    from lmlab.api import Conversation, Message
+    from lmlab.conversation import conversation_writer
+
+    class Source:
+        name = "chat"
+
+        def conversation_template(self):
+            return None
+
+    writer = conversation_writer(Source(), tokenizer)
+    total, count = 0.0, 0
+    for chat in conversations:
+        record = writer.record(Conversation(tuple(Message(**m) for m in chat["messages"])), "test")
+        ids, scored = [], []
+        for segment in record.segments:
+            piece = [int(i) for i in tokenizer.encode(segment.text)]
+            ids += piece
+            scored += [segment.scored] * len(piece)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[0, :-1]
+        losses = F.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="none")
+        mask = torch.tensor(scored[1:])
+        total, count = total + float(losses[mask].sum()), count + int(mask.sum())
+    return total / count
+
+
+def test_lora_sft_on_conversations_lowers_the_held_out_assistant_loss(smol_run, tmp_path):
+    import random
+
+    from lmlab.trained import load_run
+
+    rng = random.Random(0)
+    pairs = [(rng.randrange(2, 50), rng.randrange(2, 50)) for _ in range(48)]
+    train, held_out = arithmetic_chats(pairs[:40]), arithmetic_chats(pairs[40:])
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in train))
+    (tmp_path / "sft.toml").write_text(f"""
+name = "smol-sft"
+[init]
+from = "{GGUF}"
+[data]
+use = "chat"
+path = "chats.jsonl"
+val_fraction = 0.1
+[objective]
+use = "sft"
+[peft]
+use = "lora"
+r = 8
+alpha = 16
+targets = ["q", "k", "v", "o"]
+[model]
+block_size = 64
+[optimizer]
+use = "adamw"
+lr = 3e-3
+weight_decay = 0.0
+[train]
+max_steps = 12
+batch_size = 4
+warmup_steps = 0
+eval_every = 12
+eval_steps = 1
+sample_tokens = 0
+[tracker]
+use = "none"
+""")
+    assert main(["run", str(tmp_path / "sft.toml"), "--out", str(tmp_path / "runs")]) == 0
+    base = load_run(smol_run)
+    tuned = load_run(tmp_path / "runs" / "default")
+    before = assistant_loss(base.model.eval(), base.tokenizer, held_out)
+    after = assistant_loss(tuned.model.eval(), tuned.tokenizer, held_out)
+    print(f"held-out assistant-turn loss {before:.3f} before, {after:.3f} after")
+    assert after < 0.5 * before, (before, after)

@@ -8,6 +8,7 @@ the assistant's tokens for training) render their body.
 
 import json
 from datetime import datetime
+from functools import lru_cache
 
 from lmlab.errors import UserError
 
@@ -20,11 +21,16 @@ def render(template: str, messages: list[dict], *, bos_token: str = "", eos_toke
     import jinja2
 
     try:
-        compiled = _environment().from_string(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
                                eos_token=eos_token, tools=None, documents=None)
     except jinja2.TemplateError as exc:
         raise UserError(f"the chat template failed: {exc}", key=where) from None
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str):
+    # Compiling takes milliseconds, rendering microseconds: a corpus of conversations renders one template.
+    return _environment().from_string(template)
 
 
 def _environment():
@@ -55,16 +61,23 @@ def _environment():
     return env
 
 
-def prompt_text(tokenizer, messages: list[dict], where: str = "chat template") -> str:
-    """The conversation with the assistant's turn to come, through the tokenizer's own template
-    (``Tokenizer.chat_template``), as text: the special tokens it writes encode to their ids."""
-    def token(name: str) -> str:
-        found = tokenizer.special_id(name)
-        return tokenizer.decode([found]) if found is not None else ""
-
-    return render(tokenizer.chat_template(), messages, bos_token=token("bos"), eos_token=token("eos"), where=where)
+def special_text(tokenizer, name: str) -> str:
+    """The text of the tokenizer's special token ``name`` ("bos", "eos"), which encodes to its id; ""
+    when it has none."""
+    found = tokenizer.special_id(name)
+    return tokenizer.decode([found]) if found is not None else ""
 
 
-def prompt_ids(tokenizer, messages: list[dict], where: str = "chat template") -> list[int]:
+def prompt_text(tokenizer, messages: list[dict], where: str = "chat template", template: str | None = None) -> str:
+    """The conversation with the assistant's turn to come, as text, through ``template`` (a data
+    source's own, rendered with empty special tokens as its conversations were prepared) or the
+    tokenizer's (``Tokenizer.chat_template``, with the special tokens it writes, which encode to their ids)."""
+    if template is not None:
+        return render(template, messages, where=where)
+    return render(tokenizer.chat_template(), messages, bos_token=special_text(tokenizer, "bos"),
+                  eos_token=special_text(tokenizer, "eos"), where=where)
+
+
+def prompt_ids(tokenizer, messages: list[dict], where: str = "chat template", template: str | None = None) -> list[int]:
     """:func:`prompt_text`'s token ids."""
-    return [int(i) for i in tokenizer.encode(prompt_text(tokenizer, messages, where))]
+    return [int(i) for i in tokenizer.encode(prompt_text(tokenizer, messages, where, template))]

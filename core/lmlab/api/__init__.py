@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from lmlab.api.check import CheckContext
     from lmlab.api.compress import Calibration, Compressor
     from lmlab.api.cache import InferenceCache, KVCache, LayerState
-    from lmlab.api.data import ChatTemplate, DataOptions, DataSource, Document, Record, Segment, document_text
+    from lmlab.api.data import (ChatTemplate, Conversation, DataOptions, DataSource, Document, Message, Record,
+                                Segment, document_text)
     from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper, TokenDecoder, TokenRows
     from lmlab.api.errors import UserError
     from lmlab.api.ffn import FFN, FFNModule
@@ -72,6 +73,8 @@ _EXPORTS = {
     "KVCache": "lmlab.api.cache",
     "LayerState": "lmlab.api.cache",
     "ChatTemplate": "lmlab.api.data",
+    "Conversation": "lmlab.api.data",
+    "Message": "lmlab.api.data",
     "DataOptions": "lmlab.api.data",
     "DataSource": "lmlab.api.data",
     "Document": "lmlab.api.data",

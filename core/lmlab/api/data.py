@@ -67,9 +67,50 @@ class Record:
         return Record(tuple(Segment(fn(s.text), s.scored, s.label) for s in self.segments))
 
 
-Document = Union[str, Record]
-"""What a data source yields: plain text, or a [Record][lmlab.api.data.Record] whose segments say
-which parts are scored."""
+#: The roles a [Message][lmlab.api.data.Message] may have, as OpenAI's chat format names them.
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a [Conversation][lmlab.api.data.Conversation] (API 1.21)."""
+
+    role: str
+    """Who speaks: ``"system"``, ``"user"`` or ``"assistant"``."""
+    content: str
+    """What is said."""
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"Message.role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not isinstance(self.content, str):
+            raise ValueError(f"Message.content must be a str, got {type(self.content).__name__}")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat as turns, written out by the run's chat template (API 1.21).
+
+    ``lmlab prepare`` renders it with the data source's
+    [conversation_template][lmlab.api.data.DataSource.conversation_template], else the tokenizer's own
+    (``Tokenizer.chat_template``), into a [Record][lmlab.api.data.Record] whose scored segments are the
+    assistant's turns as the template writes them (the text after the assistant's prompt, up to the
+    next turn, with the template's end-of-turn marker), so a prompt-masked objective (``sft``) learns
+    only the answers. Filters see the rendered Record.
+    """
+
+    messages: tuple[Message, ...]
+    """The turns, in order; at least one is the assistant's."""
+
+    def as_dicts(self) -> list[dict]:
+        """The turns as the ``{"role", "content"}`` dicts a Jinja chat template reads."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+Document = Union[str, Record, Conversation]
+"""What a data source yields: plain text, a [Record][lmlab.api.data.Record] whose segments say
+which parts are scored, or a [Conversation][lmlab.api.data.Conversation] (API 1.21), written out by the
+chat template."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +132,8 @@ class ChatTemplate:
         return template.replace("{instruction}", instruction).replace("{input}", given)
 
 
-def document_text(doc: Document) -> str:
-    """The whole text of a document, whichever form it has."""
+def document_text(doc: str | Record) -> str:
+    """The whole text of a document, plain or a Record."""
     return doc if isinstance(doc, str) else doc.text
 
 
@@ -186,6 +227,13 @@ class DataSource(Plugin):
         """The instruction template of this source's records, if it has one (API 1.8): ``lmlab serve``
         offers chat completions for runs trained on it. Called on the run's data plugin as
         configured, without reading any data. Default None: completions only."""
+        return None
+
+    def conversation_template(self) -> str | None:
+        """The Jinja chat template this source's [Conversation][lmlab.api.data.Conversation]s are
+        written with (API 1.21), in place of the tokenizer's own; ``lmlab serve`` and ``lmlab generate
+        --chat`` then chat through it too. Called on the source as configured, without reading data.
+        Default None: the tokenizer's (a tokenizer without one cannot prepare Conversations)."""
         return None
 
     def parts(self, size: int) -> list | None:

@@ -88,6 +88,18 @@ class Peft(Plugin):
         raise UserError(f"peft plugin {self.name!r} cannot fold its adapter into the base weights; "
                         "use the unmerged run (lmlab generate works on it)", key="peft.use")
 
+    def adapter_export(self, model: "nn.Module") -> "tuple[dict[str, Any], dict[str, torch.Tensor]]":
+        """The adapter as Hugging Face's peft library saves it (API 1.21), for ``lmlab export --format
+        peft``: the ``adapter_config.json`` of the method (``peft_type``, rank, scaling, ...) and the
+        adapter's weights, each named by the adapted module's name in ``model`` followed by peft's own
+        suffix (``blocks.0.attn.q_proj.lora_A.weight``). The core renames the modules to those of the
+        exported Hugging Face checkpoint and sets ``target_modules`` and ``base_model_name_or_path``.
+
+        Called by ``lmlab export`` on a model that [apply][lmlab.api.peft.Peft.apply] adapted and that
+        holds a trained adapter, in eval mode on the CPU. Default: NotImplementedError, an adapter peft
+        cannot load (the export is refused naming the plugin)."""
+        raise NotImplementedError
+
     def regularization(self, model: "nn.Module") -> "torch.Tensor | None":
         """A term added to the training loss at every micro-batch (AdaLoRA's orthogonality penalty),
         logged with the auxiliary losses.

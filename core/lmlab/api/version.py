@@ -214,6 +214,10 @@ and raise the bound when the plugin starts to use a newer one.
      loads), ``Tokenizer.chat_template()`` (the model's own Jinja chat template, rendered by ``lmlab
      serve`` and ``lmlab generate --messages/--chat``), ``ModelShape.explicit_head_dim`` with
      ``[model] head_dim`` (heads sized apart from the width, Qwen3).
+
+1.21: Conversations: a data source may yield ``Conversation`` (``Message`` turns of system, user and
+     assistant), which ``lmlab prepare`` writes out with the tokenizer's chat template, or with the
+     source's own (``DataSource.conversation_template``), scoring the assistant's turns.
 """
 
-API_VERSION = "1.20"
+API_VERSION = "1.21"

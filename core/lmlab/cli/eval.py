@@ -24,7 +24,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from lmlab.api import Record
     from lmlab.evaluate import answer_all, exact_match
     from lmlab.trained import load_run, refuse_bidirectional
 
@@ -47,16 +46,7 @@ def main(args) -> int:
     if run.objective.runs_model():  # a reward model, DPO, PPO: the objective's own held-out figures
         return _objective_scores(run, args)
     refuse_bidirectional(run.objective)
-    records = []
-    for doc in run.variant.instantiate("data").documents():
-        if not isinstance(doc, Record):
-            raise UserError(f"data plugin {run.variant.uses('data')!r} yields plain text, not "
-                            "prompt/response records (use e.g. alpaca)", key="data.use")
-        records.append(doc)
-        if args.limit is not None and len(records) >= args.limit:
-            break
-    if not records:
-        raise UserError("holds no records", key=str(args.data))
+    records = _records(run, args)
     answers = answer_all(run.model, run.tokenizer, records, stop=args.stop)
     score = exact_match(answers)
     if args.out is not None:
@@ -70,13 +60,20 @@ def main(args) -> int:
 
 
 def _records(run, args) -> list:
-    from lmlab.api import Record
+    """The file's records, as the run's data plugin reads them (its conversations written out as
+    preparing them did)."""
+    from lmlab.api import Conversation, Record
+    from lmlab.conversation import conversation_writer
 
-    records = []
-    for doc in run.variant.instantiate("data").documents():
+    source = run.variant.instantiate("data")
+    records, writer = [], None
+    for number, doc in enumerate(source.documents(), 1):
+        if isinstance(doc, Conversation):
+            writer = writer or conversation_writer(source, run.tokenizer)
+            doc = writer.record(doc, f"{args.data}: conversation {number}")
         if not isinstance(doc, Record):
-            raise UserError(f"data plugin {run.variant.uses('data')!r} yields plain text, not records",
-                            key="data.use")
+            raise UserError(f"data plugin {run.variant.uses('data')!r} yields plain text, not prompt/response "
+                            "records (use e.g. alpaca)", key="data.use")
         records.append(doc)
         if args.limit is not None and len(records) >= args.limit:
             break

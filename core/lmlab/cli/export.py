@@ -1,4 +1,5 @@
-"""``lmlab export RUN_DIR --format hf [--out DIR] [--dtype D]``: a trained run as a Hugging Face folder.
+"""``lmlab export RUN_DIR --format hf|peft [--out DIR] [--dtype D]``: a trained run as a Hugging Face folder,
+or a PEFT run's adapter as peft saves it (:mod:`lmlab.peft_export`).
 
 The run is loaded as ``lmlab generate`` loads it; its architecture plugin writes the family's
 config.json and weights (``Architecture.hf_export``), its tokenizer plugin the tokenizer files
@@ -24,7 +25,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, help="a trained run's folder")
     # Checked in main against lmlab.api.architecture.EXPORT_FORMATS: the parser imports no pydantic.
     parser.add_argument("--format", required=True, metavar="FORMAT",
-                        help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer files)")
+                        help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer files); "
+                             "peft: a PEFT run's adapter folder, which peft's PeftModel loads on the base")
     parser.add_argument("--out", type=Path, help="the folder to write (default: RUN_DIR-hf beside it)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the weights' dtype in the folder")
     parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
@@ -35,40 +37,80 @@ def main(args) -> int:
     from lmlab.trained import load_run
 
     if args.format not in EXPORT_FORMATS:
-        raise UserError(f"is {args.format!r}; lmlab export writes {', '.join(EXPORT_FORMATS)} (peft and gguf are not "
-                        "written yet)", key="--format")
+        raise UserError(f"is {args.format!r}; lmlab export writes {', '.join(EXPORT_FORMATS)}", key="--format")
     run_dir = args.run_dir
     out = args.out or run_dir.with_name(f"{run_dir.name}-{args.format}")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise UserError("exists; pass --overwrite to replace it or --out to write elsewhere", key=str(out))
     run = load_run(run_dir)
-    if run.peft is not None:
-        raise UserError(f"holds a {run.variant.uses('peft')} adapter: fold it into the base weights first "
-                        "(lmlab merge), then export the merged run", key=str(run_dir))
-    if "compress" in run.variant.slots:
-        raise UserError("is a compressed run (lmlab compress): its weights are stored in the methods' own form, "
-                        "which a Hugging Face checkpoint cannot hold; export the run it was compressed from",
-                        key=str(run_dir))
-    config, state = _checkpoint(run)
+    _refuse_compressed(run, run_dir)
+    if args.format == "peft":
+        if run.peft is None:
+            raise UserError("holds no adapter (its [peft] is none or absent): export it as hf", key=str(run_dir))
+        files = _adapter(run, run_dir)
+        kind = f"peft {files[0]['peft_type']} adapter"
+    else:
+        if run.peft is not None:
+            raise UserError(f"holds a {run.variant.uses('peft')} adapter: export it as peft, or fold it into the "
+                            "base weights (lmlab merge) and export the merged run", key=str(run_dir))
+        files = _checkpoint(run, {k: v.detach() for k, v in run.model.state_dict().items()})
+        kind = f"Hugging Face {files[0]['model_type']} folder"
     partial = out.with_name(f"{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    wrote_tokenizer = _write(run, config, state, partial, args.dtype)
+    wrote_tokenizer = _write_adapter(run, *files, partial) if args.format == "peft" else \
+        _write(run, *files, partial, args.dtype)
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
-    print(f"exported {run_dir} (step {run.step}) as a Hugging Face {config['model_type']} folder: {out}")
+    print(f"exported {run_dir} (step {run.step}) as a {kind}: {out}")
     if not wrote_tokenizer:
         print(f"warning: tokenizer {run.variant.uses('tokenizer')!r} has no Hugging Face form: the folder holds no "
               "tokenizer files (the model loads; encode text as the run did)", file=sys.stderr)
     return 0
 
 
-def _checkpoint(run) -> tuple[dict, dict]:
+def _refuse_compressed(run, run_dir: Path) -> None:
+    if "compress" in run.variant.slots:
+        raise UserError("is a compressed run (lmlab compress): its weights are stored in the methods' own form, "
+                        "which a Hugging Face checkpoint cannot hold; export the run it was compressed from",
+                        key=str(run_dir))
+
+
+def _adapter(run, run_dir: Path) -> tuple[dict, dict]:
+    """The adapter's config and weights under the base checkpoint's names; the base named by where the
+    run's [init] came from (as its manifest records it) when that is a Hugging Face folder."""
+    import tomllib
+
+    from lmlab import peft_export
+
+    tables = _tables(run)
+    recorded = tomllib.loads((run_dir / "manifest.toml").read_text()).get("init", {}).get("from")
+    folder = Path(recorded) if isinstance(recorded, str) else None
+    base = str(folder.resolve()) if folder is not None and (folder / "config.json").is_file() else ""
+    return peft_export.adapter_files(run, lambda state: _hf_export(run, tables, state)[1], base)
+
+
+def _write_adapter(run, config: dict, state: dict, folder: Path) -> bool:
+    from lmlab import peft_export
+
+    peft_export.write(folder, config, state)
+    (folder / "lmlab_export.json").write_text(json.dumps({"from": str(run.checkpoint), "step": run.step}, indent=2))
+    return True
+
+
+def _tables(run) -> dict:
     tables = {name: dict(run.variant.manifest[name]) for name in MODEL_TABLES}
     tables["model"]["vocab_size"] = run.shape.vocab_size
+    return tables
+
+
+def _checkpoint(run, state: dict) -> tuple[dict, dict]:
+    return _hf_export(run, _tables(run), state)
+
+
+def _hf_export(run, tables: dict, state: dict) -> tuple[dict, dict]:
     architecture = run.variant.plugins["architecture"]
-    state = {k: v.detach() for k, v in run.model.state_dict().items()}
     try:
         return architecture.hf_export(tables, state)
     except NotImplementedError:

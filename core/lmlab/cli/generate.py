@@ -150,14 +150,16 @@ def chat(args) -> int:
     messages = read_messages(args.messages) if args.messages is not None else []
     run = load_run(args.run_dir, args.overrides)
     refuse_bidirectional(run.objective)
-    if run.tokenizer.chat_template() is None:
+    data = run.plugins.get("data")
+    own = data.conversation_template() if data is not None else None
+    if own is None and run.tokenizer.chat_template() is None:
         raise UserError(f"its tokenizer ({run.variant.uses('tokenizer')}) has no chat template of the model's own: "
                         "chat needs a run started from a chat model's checkpoint; use --prompt", key=str(args.run_dir))
     decoder = run.plugins["decoding"]
     prepare_decoder(decoder, run)
 
     def answer(conversation: list[dict]) -> str:
-        text = prompt_text(run.tokenizer, conversation, where=str(args.messages or "--chat"))
+        text = prompt_text(run.tokenizer, conversation, where=str(args.messages or "--chat"), template=own)
         result = generate_texts(run.model, run.tokenizer, decoder, [text], args.max_new_tokens, stop=args.stop,
                                 seed=args.seed, on_text=lambda i, piece: (sys.stdout.write(piece), sys.stdout.flush()))
         sys.stdout.write("\n")

@@ -141,10 +141,11 @@ class DaskWorkers:
             for admitter in self._admitters.values():
                 admitter.flush()
 
-    def reading(self, source, stage: Path, skip: int, size: int) -> "Reading | None":
+    def reading(self, source, stage: Path, skip: int, size: int, conversations) -> "Reading | None":
         """The filtered outcomes of ``source``'s documents after the first ``skip``, read by the
-        workers part by part (:mod:`lmlab.prepare.staging`); None when the source cannot be cut
-        into parts (a plugin without ``DataSource.parts``): this process reads it then."""
+        workers part by part (:mod:`lmlab.prepare.staging`), its Conversations written out by
+        ``conversations`` (a ConversationWriter); None when the source cannot be cut into parts (a
+        plugin without ``DataSource.parts``): this process reads it then."""
         from lmlab.api import DataSource
 
         parts = None if type(source).parts is DataSource.parts else source.parts(size)
@@ -155,7 +156,7 @@ class DaskWorkers:
                                                "the documents to the workers"})
             return None
         stage.mkdir(parents=True, exist_ok=True)
-        return Reading(self, PluginSpec(type(source), source.name, source.options), parts, stage, skip)
+        return Reading(self, PluginSpec(type(source), source.name, source.options), parts, stage, skip, conversations)
 
     def write_part(self, part, spool: Path, name: str, stage: Path) -> dict:
         """Write a spool part on a worker, from the text the workers staged."""
@@ -220,15 +221,16 @@ class Reading:
     """The outcomes of a source read by the workers, chunk (part) by chunk, in corpus order; then
     ``stats``, the source's counts summed over its parts."""
 
-    def __init__(self, pool: DaskWorkers, source: PluginSpec, parts: list, stage: Path, skip: int):
+    def __init__(self, pool: DaskWorkers, source: PluginSpec, parts: list, stage: Path, skip: int, conversations):
         self.pool, self.source, self.parts, self.stage, self.skip = pool, source, parts, stage, skip
+        self.conversations = conversations
         self.current = 0  # the number of the part whose outcomes are being folded
         self.stats: dict[str, int] = {}
 
     def __iter__(self) -> Iterator[list]:
         from lmlab.prepare.staging import ReadTask
 
-        tasks = (ReadTask(self.source, part, i, self.stage) for i, part in enumerate(self.parts))
+        tasks = (ReadTask(self.source, part, i, self.stage, self.conversations) for i, part in enumerate(self.parts))
         return self.pool._admitted(self._outcomes(self.pool._ordered("read_part", tasks)))
 
     def _outcomes(self, results: Iterator) -> Iterator[list]:

@@ -10,7 +10,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lmlab.api import Record, Table, UserError
+from lmlab.api import Conversation, Record, Table, UserError
+from lmlab.conversation import ConversationWriter, conversation_writer
 from lmlab.errors import warn
 from lmlab.prepare import checkpoint, shards, spool, staging, tokenizing
 from lmlab.prepare.key_index import WorkerLost
@@ -57,6 +58,19 @@ class Build:
         self.reading = None  # the Dask workers' reading of the source (lmlab.prepare.staging), if they read it
         self.pool_in_use = None
         self.started = time.perf_counter()
+        self._conversations: ConversationWriter | None = None
+
+    def conversations(self) -> ConversationWriter:
+        """How the source's Conversations are written out: with its template, else the tokenizer's."""
+        if self._conversations is None:
+            from lmlab import pretrained
+
+            tokenizer = self.fitting if self.fitting is not None else self.tokenizer.build()
+            init = pretrained.tokenizer_dir(self.variant)
+            if init is not None and tokenizer is not self.fitting:
+                tokenizer.load(init)
+            self._conversations = conversation_writer(self.source, tokenizer)
+        return self._conversations
 
     def _corpus_filters(self) -> dict:
         decide = getattr(self.pool, "admitting", lambda j, f, partial: f)  # a Dask pool may partition an index
@@ -155,7 +169,7 @@ class Build:
         reading = getattr(pool, "reading", None)  # a Dask cluster's workers read the source themselves
         remove(self.partial / "stage")
         self.reading = reading and reading(self.source, self.partial / "stage", st["consumed"],
-                                           min(READ_BYTES, self.shard_bytes))
+                                           min(READ_BYTES, self.shard_bytes), self.conversations())
         if self.reading is not None:
             outcomes = self.reading
         else:
@@ -171,10 +185,12 @@ class Build:
 
     def _chunks(self, documents) -> Iterator[list]:
         chunk, size = [], 0
-        for doc in documents:
-            if not isinstance(doc, (str, Record)):
+        for number, doc in enumerate(documents, self.state["consumed"] + 1):
+            if isinstance(doc, Conversation):
+                doc = self.conversations().record(doc, f"{self.source.name} document {number}")
+            elif not isinstance(doc, (str, Record)):
                 raise TypeError(f"data plugin {self.source.name!r} yielded a {type(doc).__name__}; documents "
-                                "are str or lmlab.api.Record")
+                                "are str, lmlab.api.Record or lmlab.api.Conversation")
             chunk.append(doc)
             size += len(doc) if isinstance(doc, str) else sum(len(s.text) for s in doc.segments)
             if size >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from lmlab.api import Record
+from lmlab.api import Conversation, Record
 from lmlab.prepare import shards
 
 
@@ -40,6 +40,7 @@ class ReadTask:
     part: Any  # one of its parts
     number: int  # the part's number: the name of its staging file
     stage: Path  # the staging folder
+    conversations: Any  # the ConversationWriter of the source's Conversations
 
 
 def path_of(stage: Path, number: int) -> Path:
@@ -56,10 +57,12 @@ def read_part(task: ReadTask, filter_one: Callable[[Any], tuple]) -> tuple[list[
     try:
         with open(tmp, "xb") as f:
             offset = 0
-            for doc in source.documents_in(task.part):
-                if not isinstance(doc, (str, Record)):
+            for number, doc in enumerate(source.documents_in(task.part), 1):
+                if isinstance(doc, Conversation):
+                    doc = task.conversations.record(doc, f"{source.name} part {task.number + 1} document {number}")
+                elif not isinstance(doc, (str, Record)):
                     raise TypeError(f"data plugin {source.name!r} yielded a {type(doc).__name__}; documents "
-                                    "are str or lmlab.api.Record")
+                                    "are str, lmlab.api.Record or lmlab.api.Conversation")
                 size, segments, is_text, trace, signatures, weight = filter_one(doc)
                 if segments is not None:
                     refs = []

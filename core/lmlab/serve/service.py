@@ -48,12 +48,13 @@ class Service:
     """What the HTTP app serves: one model under one id, decoded by ``decoder`` (a ``TokenDecoder``)."""
 
     def __init__(self, model, tokenizer, *, decoder, model_id: str, template=None, data_name: str | None = None,
-                 max_batch: int = 32, cache: str = "paged", block_size: int = 16, n_blocks: int | None = None,
+                 conversation_template: str | None = None, max_batch: int = 32, cache: str = "paged", block_size: int = 16, n_blocks: int | None = None,
                  seed: int = 0):
         self.model_id = model_id
         self.request_options = RequestOptions(decoder)
         self.tokenizer = LockedTokenizer(tokenizer)
         self.template = template
+        self.conversation_template = conversation_template  # the data source's Jinja template, if its own
         self.data_name = data_name
         self.context = model.max_context if model.max_context is not None else model.block_size
         check_fits(model, max_batch, self.context, cache, block_size, n_blocks)
@@ -72,12 +73,13 @@ class Service:
         refuse_bidirectional(run.objective)
         data = run.plugins.get("data")
         template = data.chat_template() if data is not None else None
+        own = data.conversation_template() if data is not None else None
         decoder = servable(run.plugins["decoding"])
         settings.update(engine_settings(decoder.options, overrides, settings.get("cache")))
         prepare_decoder(decoder, run)
         name = model_name or Path(run_dir).resolve().name
         return cls(run.model.eval(), run.tokenizer, decoder=decoder, model_id=name, template=template,
-                   data_name=getattr(data, "name", None), **settings)
+                   data_name=getattr(data, "name", None), conversation_template=own, **settings)
 
     def start(self) -> None:
         self.scheduler.start()
@@ -118,7 +120,7 @@ class Service:
 
     def chat_job(self, request: ChatRequest) -> Job:
         self.check_model(request.model)
-        if self.tokenizer.chat_template() is not None:
+        if self.conversation_template is not None or self.tokenizer.chat_template() is not None:
             return self._own_template_job(request)
         if self.template is None:
             raise ApiError(400, f"this run has no chat template: its data source ({self.data_name or 'unknown'}) "
@@ -137,13 +139,14 @@ class Service:
         return self._job(ids, max_tokens, request, stops, options)
 
     def _own_template_job(self, request: ChatRequest) -> Job:
-        """The whole conversation through the model's own chat template; the answer ends at EOS."""
+        """The whole conversation through the run's Jinja chat template (its data source's, else the
+        model's own); the answer ends at EOS."""
         from lmlab.chat_template import prompt_ids
 
         options = self.request_options(request.decoder_fields())
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in request.messages]
         try:
-            ids = prompt_ids(self.tokenizer, messages)
+            ids = prompt_ids(self.tokenizer, messages, template=self.conversation_template)
         except UserError as exc:
             raise ApiError(400, str(exc), "messages", "chat_template_failed") from None
         if len(ids) >= self.context:

@@ -9,7 +9,7 @@ interrupted one resumes; it keys the token cache on ``fingerprint()`` (of a fres
 
 import json
 
-from lmlab.api import Record, Segment
+from lmlab.api import Conversation, Message, Record, Segment
 from lmlab.testing import generic
 from lmlab.testing.common import Subject, fail
 
@@ -29,9 +29,10 @@ def _describe(doc) -> str:
 
 
 def documents(subject: DataSubject) -> None:
-    """With the options under test, ``documents()`` yields at least one document, each a str or an
-    ``lmlab.api.Record`` of Segments (str text, bool ``scored``), and only Records when the class
-    declares ``yields_records = True``, only str when it declares False."""
+    """With the options under test, ``documents()`` yields at least one document, each a str, an
+    ``lmlab.api.Record`` of Segments (str text, bool ``scored``) or an ``lmlab.api.Conversation`` of
+    Messages, and only Records or Conversations when the class declares ``yields_records = True``, only
+    str when it declares False."""
     declared = getattr(subject.cls, "yields_records", None)
     if declared not in (True, False, None):
         fail(f"yields_records is {declared!r}; True, False or None")
@@ -46,12 +47,19 @@ def documents(subject: DataSubject) -> None:
                 fail(f"document {i} is a Record with segment {bad[0]!r}; segments are Segment(str, bool)")
             if declared is False:
                 fail(f"document {i} is a Record, but the class declares yields_records = False (plain text only)")
+        elif isinstance(doc, Conversation):
+            if not doc.messages or not all(isinstance(m, Message) for m in doc.messages):
+                fail(f"document {i} is a Conversation of {doc.messages!r}; its messages are lmlab.api.Message")
+            if declared is False:
+                fail(f"document {i} is a Conversation, but the class declares yields_records = False (plain text "
+                     "only)")
         elif isinstance(doc, str):
             if declared is True:
                 fail(f"document {i} is a str, but the class declares yields_records = True (Records only); an "
                      "objective that scores parts of Records relies on it")
         else:
-            fail(f"document {i} is a {type(doc).__name__} ({_describe(doc)}), not a str or lmlab.api.Record")
+            fail(f"document {i} is a {type(doc).__name__} ({_describe(doc)}), not a str, lmlab.api.Record or "
+                 "lmlab.api.Conversation")
 
 
 def determinism(subject: DataSubject) -> None:

@@ -8,22 +8,23 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from lmlab.api import Record, UserError
+from lmlab.api import Conversation, Record, UserError
 from lmlab_data.files import READ_ERRORS, FileSource, open_text, read_error
 
 
 class RecordFileSource(FileSource):
-    """A FileSource of JSON records; subclasses turn one parsed record into a Record (``_record``)."""
+    """A FileSource of JSON records; subclasses turn one parsed record into a Record or a Conversation
+    (``_record``)."""
 
     def __init__(self, options=None):
         super().__init__(options)
         self.records_skipped = self.files_skipped = 0
 
-    def _record(self, raw: Any, where: str) -> Record | None:
-        """The Record of one parsed JSON value, or ``self._bad(where, why)``."""
+    def _record(self, raw: Any, where: str) -> Record | Conversation | None:
+        """The document of one parsed JSON value, or ``self._bad(where, why)``."""
         raise NotImplementedError
 
-    def documents(self) -> Iterator[Record]:
+    def documents(self) -> Iterator[Record | Conversation]:
         self.records_skipped = self.files_skipped = 0
         o = self.options
         for path in self.files():
@@ -34,7 +35,7 @@ class RecordFileSource(FileSource):
                     raise read_error(path, o.encoding, exc) from exc
                 self.files_skipped += 1
 
-    def _file(self, path: Path) -> Iterator[Record]:
+    def _file(self, path: Path) -> Iterator[Record | Conversation]:
         with open_text(path, self.options.encoding) as f:
             if path.name.endswith((".json", ".json.gz")):
                 try:

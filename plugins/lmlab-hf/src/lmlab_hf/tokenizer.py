@@ -111,6 +111,7 @@ class HFTokenizer(Tokenizer):
             (Path(directory) / TEMPLATE_FILE).write_text(self.template, encoding="utf-8")
 
     def chat_template(self) -> str | None:
+        self._fitted()  # known before fitting: the preparation writes conversations out with it first
         return self.template
 
     def save_hf(self, directory: Path) -> None:
@@ -173,11 +174,13 @@ class HFTokenizer(Tokenizer):
         return self.special.get("pad")  # the same id special_id("pad") names (API 1.4)
 
     def special_id(self, name: str) -> int | None:
+        self._fitted()
         return self.special.get(name)
 
     def _fitted(self) -> FastTokenizer:
+        # Fitting only reads the pretrained files, so a tokenizer asked before it is fitted reads them then.
         if self.tokenizer is None:
-            raise RuntimeError("hf tokenizer used before fit() or load()")
+            self._read_source()
         return self.tokenizer
 
 

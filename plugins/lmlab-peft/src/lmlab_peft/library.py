@@ -9,6 +9,7 @@ the tuner object stays with the plugin (for merging and AdaLoRA's budget), outsi
 parameter names are those of the model alone.
 """
 
+import json
 import logging
 import re
 from typing import Any, ClassVar, Literal
@@ -48,7 +49,7 @@ def pattern(names: list[str]) -> str:
 class LibraryMethod(Peft):
     """A peft tuner applied to the model, targeting layers by role."""
 
-    api = ">=1.20,<2"  # apply receives RunSettings; check (1.6); Peft, resolve_roles (1.4)
+    api = ">=1.21,<2"  # adapter_export; apply receives RunSettings (1.20); check (1.6); Peft, resolve_roles (1.4)
     #: Data parallelism only: under fsdp, deepspeed, tensor or pipeline parallelism the wrapped layers
     #: would be sharded or split under names the layouts do not know.
     parallel = ("single", "ddp")
@@ -82,3 +83,11 @@ class LibraryMethod(Peft):
 
     def merge(self, model: nn.Module) -> None:
         self.tuner.merge_and_unload()
+
+    def adapter_export(self, model: nn.Module):
+        config = self.tuner.peft_config[ADAPTER].to_dict()
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        # peft saves an adapter's entries without the adapter's name (``lora_A.default.weight`` → ``lora_A.weight``).
+        state = {".".join(p for p in key.split(".") if p != ADAPTER): value
+                 for key, value in model.state_dict().items() if self.is_adapter_key(key)}
+        return json.loads(json.dumps(config, default=str)), state
