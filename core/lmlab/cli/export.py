@@ -1,5 +1,6 @@
-"""``lmlab export RUN_DIR --format hf|peft [--out DIR] [--dtype D]``: a trained run as a Hugging Face folder,
-or a PEFT run's adapter as peft saves it (:mod:`lmlab.peft_export`).
+"""``lmlab export RUN_DIR --format hf|peft|gguf [--out PATH] [--dtype D]``: a trained run as a Hugging Face
+folder, a PEFT run's adapter as peft saves it (:mod:`lmlab.peft_export`), or one GGUF file
+(:mod:`lmlab.gguf_out`, from the Hugging Face form).
 
 The run is loaded as ``lmlab generate`` loads it; its architecture plugin writes the family's
 config.json and weights (``Architecture.hf_export``), its tokenizer plugin the tokenizer files
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from lmlab.errors import UserError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "q8_0")
 #: The core tables and slots whose recorded tables say what model the run built.
 MODEL_TABLES = ("model", "architecture", "position", "attention", "ffn")
 
@@ -26,9 +27,12 @@ def add_arguments(parser) -> None:
     # Checked in main against lmlab.api.architecture.EXPORT_FORMATS: the parser imports no pydantic.
     parser.add_argument("--format", required=True, metavar="FORMAT",
                         help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer files); "
-                             "peft: a PEFT run's adapter folder, which peft's PeftModel loads on the base")
-    parser.add_argument("--out", type=Path, help="the folder to write (default: RUN_DIR-hf beside it)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the weights' dtype in the folder")
+                             "peft: a PEFT run's adapter folder, which peft's PeftModel loads on the base; "
+                             "gguf: one file llama.cpp and transformers load")
+    parser.add_argument("--out", type=Path, help="the folder (the .gguf file) to write (default: RUN_DIR-FORMAT, "
+                                                   "RUN_DIR.gguf, beside it)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the weights' type (q8_0: 8-bit blocks, GGUF only)")
     parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
 
 
@@ -38,9 +42,12 @@ def main(args) -> int:
 
     if args.format not in EXPORT_FORMATS:
         raise UserError(f"is {args.format!r}; lmlab export writes {', '.join(EXPORT_FORMATS)}", key="--format")
+    if args.dtype == "q8_0" and args.format != "gguf":
+        raise UserError("q8_0 is a GGUF type: give --format gguf, or a float dtype", key="--dtype")
     run_dir = args.run_dir
-    out = args.out or run_dir.with_name(f"{run_dir.name}-{args.format}")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
+    out = args.out or run_dir.with_name(f"{run_dir.name}.gguf" if args.format == "gguf" else
+                                        f"{run_dir.name}-{args.format}")
+    if out.exists() and (out.is_file() or any(out.iterdir())) and not args.overwrite:
         raise UserError("exists; pass --overwrite to replace it or --out to write elsewhere", key=str(out))
     run = load_run(run_dir)
     _refuse_compressed(run, run_dir)
@@ -52,9 +59,17 @@ def main(args) -> int:
     else:
         if run.peft is not None:
             raise UserError(f"holds a {run.variant.uses('peft')} adapter: export it as peft, or fold it into the "
-                            "base weights (lmlab merge) and export the merged run", key=str(run_dir))
+                            f"base weights (lmlab merge) and export the merged run as {args.format}", key=str(run_dir))
         files = _checkpoint(run, {k: v.detach() for k, v in run.model.state_dict().items()})
         kind = f"Hugging Face {files[0]['model_type']} folder"
+    if args.format == "gguf":
+        from lmlab import gguf_out
+
+        if out.is_dir():
+            raise UserError("is a folder; name the .gguf file to write", key=str(out))
+        gguf_out.write(out, *files, run.tokenizer, args.dtype)
+        print(f"exported {run_dir} (step {run.step}) as a GGUF {files[0]['model_type']} file ({args.dtype}): {out}")
+        return 0
     partial = out.with_name(f"{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
