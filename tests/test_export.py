@@ -204,3 +204,29 @@ def test_what_gguf_cannot_hold_is_refused(trained_run, tmp_path, capsys):
     assert "lmlab: error: --dtype: q8_0 is a GGUF type" in capsys.readouterr().err
     assert main(["export", str(trained_run), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
     assert "position.use" in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()
+
+
+def test_a_pythia_style_checkpoint_fine_tunes_and_exports_back_with_its_logits(tmp_path, capsys):
+    """GPT-NeoX (parallel residual, a quarter of each head rotated) in through [init], out through export."""
+    from test_hf_families import random_model
+
+    text = CORPUS.read_text()[:30_000]
+    (tmp_path / "tiny.txt").write_text(text)
+    llama, _ = hf_folder(tmp_path, text)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama)
+    neox = tmp_path / "pythia"
+    random_model(transformers.GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+                                            rotary_pct=0.25)).save_pretrained(neox)
+    tokenizer.save_pretrained(neox)
+    (tmp_path / "ft.toml").write_text(FINE_TUNE.format(init=neox, data=tmp_path / "tiny.txt"))
+    assert main(["run", str(tmp_path / "ft.toml"), "--out", str(tmp_path / "runs")]) == 0
+    run_dir, out = tmp_path / "runs" / "default", tmp_path / "exported"
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(out)]) == 0
+    assert "as a Hugging Face gpt_neox folder" in capsys.readouterr().out
+    ours = load_run(run_dir)
+    assert ours.variant.uses("architecture") == "parallel-block" and ours.variant.options("position").fraction == 0.25
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    idx = torch.tensor([ours.tokenizer.encode("First Citizen:\nBefore we proceed any further").tolist()])
+    with torch.no_grad():
+        assert (theirs(idx).logits - ours.model(idx)).abs().max().item() <= 1e-5

@@ -3,6 +3,8 @@ initialised model of that family, written by ``save_pretrained``, read back by l
 (``Architecture.hf_tables`` / ``hf_state``, what ``[init] from`` uses), computes the same logits to
 1e-5 in float32."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from lmlab import pretrained  # noqa: E402
 from lmlab_architectures.decoder import Decoder  # noqa: E402
+from lmlab_architectures.parallel_block import ParallelDecoder  # noqa: E402
 
 VOCAB = 67
 LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
@@ -27,7 +30,17 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**LLAMA_LIKE),
     "qwen3": lambda: transformers.Qwen3Config(**LLAMA_LIKE, head_dim=16),  # 6 heads of 16 ≠ 48 / 6
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=6),
+    # Pythia's layout: parallel residual, a quarter of each head rotated, untied head.
+    "gpt-neox": lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2,
+                                                   num_attention_heads=6, intermediate_size=96,
+                                                   max_position_embeddings=64, rotary_pct=0.25),
+    "gpt-neox-full-rotary": lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2,
+                                                               num_attention_heads=6, intermediate_size=96,
+                                                               max_position_embeddings=64, rotary_pct=1.0,
+                                                               hidden_act="gelu_new"),
 }
+#: The architecture plugin that reads each family's folders.
+READERS = {"gpt-neox": ParallelDecoder, "gpt-neox-full-rotary": ParallelDecoder}
 
 
 def random_model(config):
@@ -48,9 +61,10 @@ def random_model(config):
 def test_a_saved_checkpoint_of_each_family_reads_back_with_transformers_logits(family, tmp_path):
     hf = random_model(FAMILIES[family]())
     hf.save_pretrained(tmp_path)
-    tables = Decoder.hf_tables(tmp_path)
+    reader = READERS.get(family, Decoder)
+    tables = reader.hf_tables(tmp_path)
     model = pretrained.build(tables)
-    state = Decoder.hf_state(tmp_path)
+    state = reader.hf_state(tmp_path)
     if tables["model"]["tie_embeddings"]:
         state.pop("head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -83,33 +97,40 @@ def test_each_familys_switches_are_plugin_options():
     (lambda: transformers.LlamaConfig(**{**LLAMA_LIKE, "hidden_act": "gelu"}), "hidden_act"),
     (lambda: transformers.GPT2Config(n_embd=48, n_head=6, scale_attn_by_inverse_layer_idx=True),
      "scale_attn_by_inverse_layer_idx"),
+    (lambda: transformers.GPTNeoXConfig(hidden_size=48, num_attention_heads=6, use_parallel_residual=False),
+     "use_parallel_residual"),
 ])
 def test_a_config_lmlab_cannot_express_is_refused_naming_its_key(config, key, tmp_path):
     config().save_pretrained(tmp_path)
+    reader = ParallelDecoder if config().model_type == "gpt_neox" else Decoder
     with pytest.raises(ValueError, match=key):
-        Decoder.hf_tables(tmp_path)
+        reader.hf_tables(tmp_path)
 
 
-EXPORTED = ["llama", "llama3-rope", "llama-linear-rope", "smollm-tied", "qwen2", "qwen3", "gpt2"]
+EXPORTED = ["llama", "llama3-rope", "llama-linear-rope", "smollm-tied", "qwen2", "qwen3", "gpt2", "gpt-neox"]
 
 
 @pytest.mark.parametrize("family", EXPORTED)
-def test_an_lmlab_model_of_each_family_exports_to_a_checkpoint_transformers_computes_alike(family):
+def test_an_lmlab_model_of_each_family_exports_to_a_checkpoint_transformers_computes_alike(family, tmp_path):
     """hf_export is hf_tables/hf_state's inverse: the exported config and weights, loaded by transformers'
     own class, give the lmlab model's logits (the same as the original's: read in, written out)."""
-    from lmlab_architectures import hf_gpt2, hf_llama
+    from lmlab_architectures import hf_gpt2, hf_llama, hf_neox
 
     hf = random_model(FAMILIES[family]())
-    reader = hf_gpt2 if family == "gpt2" else hf_llama
-    ours = reader.from_hf(hf, pretrained.build).eval()
+    reader = {"gpt2": hf_gpt2, "gpt-neox": hf_neox}.get(family, hf_llama)
     tables = {**reader.manifest_tables(hf.config)}
-    tables["architecture"] = {"use": "decoder", "layers": "", "exit_layers": []}
-    config, state = Decoder.hf_export(tables, ours.state_dict())
-    again = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config),
-                                                          dtype=torch.float32).eval()
-    missing, unexpected = again.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
-    again.tie_weights()
+    ours = pretrained.build(tables).eval()
+    state = reader.state_dict_from_hf(hf.state_dict(), *((2, 6) if family == "gpt-neox" else (2,)))
+    if tables["model"]["tie_embeddings"]:
+        state.pop("head.weight", None)
+    ours.load_state_dict(state, strict=False)
+    tables["architecture"] = {**tables["architecture"], "layers": "", "exit_layers": []}
+    config, state = READERS.get(family, Decoder).hf_export(tables, ours.state_dict())
+    from safetensors.torch import save_file
+
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (again(idx).logits - ours(idx)).abs().max().item() <= 1e-5

@@ -240,3 +240,28 @@ def test_an_unsupported_t5_folder_is_refused_naming_init_from_and_the_feature(tm
     (folder / "config.json").write_text(json.dumps({**config, "feed_forward_proj": "gated-gelu"}))
     with pytest.raises(UserError, match="init.from: .*cannot be read as a T5 checkpoint: .*gated-gelu"):
         pretrained.source_tables(pretrained.locate(folder))
+
+
+@TIES
+def test_an_lmlab_t5_exports_to_a_checkpoint_transformers_computes_alike(tie, tmp_path):
+    """hf_export inverts the reading: written out and loaded by transformers, the model computes the lmlab
+    model's logits; a head trained apart from the embedding, which T5 ties, is refused naming the key."""
+    from safetensors.torch import save_file
+
+    from lmlab_architectures.encoder_decoder import EncoderDecoder
+
+    hf = random_t5(tie)
+    ours = t5.from_hf(hf, pretrained.build).eval()
+    tables = t5.manifest_tables(hf.config)
+    config, state = EncoderDecoder.hf_export(tables, ours.state_dict())
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    again = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    enc, dec, _, mask = inputs(True)
+    with torch.no_grad():
+        assert (again(input_ids=enc, attention_mask=mask, decoder_input_ids=dec).logits
+                - lmlab_forward(ours, enc, dec, mask)).abs().max().item() <= 1e-5
+    trained = {**ours.state_dict(), "head.weight": ours.state_dict()["head.weight"] + 0.01}
+    with pytest.raises(ValueError, match="model.tie_embeddings"):
+        EncoderDecoder.hf_export(tables, trained)

@@ -217,7 +217,9 @@ and raise the bound when the plugin starts to use a newer one.
 
 1.21: Conversations: a data source may yield ``Conversation`` (``Message`` turns of system, user and
      assistant), which ``lmlab prepare`` writes out with the tokenizer's chat template, or with the
-     source's own (``DataSource.conversation_template``), scoring the assistant's turns.
+     source's own (``DataSource.conversation_template``), scoring the assistant's turns. Adapters out:
+     ``Peft.adapter_export(model)`` (the adapter as Hugging Face's peft saves it, for ``lmlab export
+     --format peft``); ``gguf`` joins the export formats.
 """
 
 API_VERSION = "1.21"

@@ -177,6 +177,10 @@ def writable(tables: dict) -> str | None:
                                ("ffn.use", f["use"], ("swiglu",)), ("model.norm", m["norm"], ("rmsnorm",))):
         if value not in wanted:
             return f"{key}: {value!r} (the Llama family has {' or '.join(wanted)})"
+    if p.get("fraction", 1.0) != 1.0:
+        return f"position.fraction: {p['fraction']} (the Llama family rotates whole heads)"
+    if tables["architecture"].get("shared_norm") is not None:
+        return "architecture.use: parallel blocks (the Llama family's are sequential)"
     if a.get("qkv_bias") is not None and a["qkv_bias"] != m["bias"] and (m["bias"] or a.get("qk_norm")):
         return "attention.qkv_bias: biases on q, k and v alone, with others elsewhere, is no Llama-family layout"
     if a.get("qk_norm") and m["bias"]:

@@ -191,5 +191,45 @@ def read_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def writable(tables: dict) -> str | None:
-    """Export to T5 checkpoints is not written yet: always the reason."""
-    return "architecture.use: 'encoder-decoder' models are not exported to Hugging Face T5 checkpoints yet"
+    """Why the model of ``tables`` is no T5 checkpoint (naming the key), or None."""
+    m, a, arch = tables["model"], tables["attention"], tables["architecture"]
+    for key, value, wanted in (("position.use", tables["position"]["use"], "t5"), ("attention.use", a["use"], "mha"),
+                               ("ffn.use", tables["ffn"]["use"], "mlp"), ("ffn.activation",
+                                                                          tables["ffn"].get("activation"), "relu"),
+                               ("model.norm", m["norm"], "rmsnorm"), ("model.bias", m["bias"], False),
+                               ("architecture.share_embeddings", arch.get("share_embeddings", True), True)):
+        if value != wanted:
+            return f"{key}: {value!r} (T5 has {wanted!r})"
+    if a.get("qk_norm") or a.get("qkv_bias"):
+        return "attention.qk_norm / qkv_bias: T5's attention has neither"
+    return None
+
+
+def to_hf(tables: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the state dict of the T5ForConditionalGeneration that computes what the lmlab
+    encoder–decoder model of ``tables`` with ``state`` computes: the inverse of ``weight_map``.
+    transformers ties T5's output layer to the shared embedding whatever the config says, scaling the
+    decoder's output (original T5) or not (``tie_word_embeddings = false``, T5 v1.1's spelling), so the
+    lmlab head must still be the embedding, scaled or not: a ValueError naming ``model.tie_embeddings``
+    when training moved it away (fold a PEFT run's adapter in first: its head never moves)."""
+    m, arch, pos = tables["model"], tables["architecture"], tables["position"]
+    start = arch.get("decoder_start_id")
+    config = {"model_type": MODEL_TYPE, "architectures": ["T5ForConditionalGeneration"], "vocab_size": m["vocab_size"],
+              "d_model": m["d_model"], "d_kv": m["d_model"] // m["n_heads"], "d_ff": tables["ffn"]["hidden"],
+              "num_layers": arch.get("encoder_layers") or m["n_layers"], "num_decoder_layers": m["n_layers"],
+              "num_heads": m["n_heads"], "relative_attention_num_buckets": pos["num_buckets"],
+              "relative_attention_max_distance": pos["max_distance"], "layer_norm_epsilon": m["norm_eps"],
+              "feed_forward_proj": "relu", "dropout_rate": 0.0, "is_encoder_decoder": True,
+              "decoder_start_token_id": 0 if start is None else start}
+    head, embedding = state["head.weight"], state["tok_emb.weight"]
+    scaled = torch.allclose(head, embedding * m["d_model"] ** -0.5, rtol=1e-5, atol=0)
+    if not scaled and not torch.equal(head, embedding):
+        raise ValueError("model.tie_embeddings: the run trained its output layer apart from the shared embedding, "
+                         "and a T5 checkpoint ties them (transformers ties them always)")
+    config.update(tie_word_embeddings=scaled, scale_decoder_outputs=scaled)
+    layout = SimpleNamespace(**config)
+    out = {}
+    for ours, theirs, factor in weight_map(layout):
+        if theirs not in out:  # the shared embedding is the encoder's and the decoder's
+            out[theirs] = state[ours] / factor if factor != 1.0 else state[ours]
+    return config, out

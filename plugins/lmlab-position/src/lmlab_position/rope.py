@@ -13,6 +13,9 @@ exceeds ``original_max_positions / low_freq_factor``, keeps the fast ones below
 ``original_max_positions / high_freq_factor`` and blends in between (Llama 3.1's scheme, as
 transformers computes it).
 
+``fraction`` rotates only the first part of each head (GPT-NeoX's partial rotary: Pythia turns a
+quarter of each head's dimensions), leaving the rest to match by content alone.
+
 Dimensions are paired as (i, i + head_dim/2) — the "rotate_half" layout of GPT-NeoX, Llama and
 Hugging Face transformers — rather than the interleaved (2i, 2i+1) pairs of the paper, so weights
 move to and from Hugging Face checkpoints unchanged.
@@ -34,7 +37,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(PositionModule):
-    """Rotates q (B, H, T, hs) and k (B, Hkv, T, hs) by their positions."""
+    """Rotates q (B, H, T, hs) and k (B, Hkv, T, hs) by their positions: the first ``head_dim`` of the
+    hs dimensions of each head (all of them, unless partial rotary leaves the rest as they are)."""
 
     rotates = True
     per_row = True
@@ -42,7 +46,7 @@ class RotaryEmbedding(PositionModule):
 
     def __init__(self, head_dim: int, base: float, inv_freq: torch.Tensor | None = None):
         super().__init__()
-        self.head_dim, self.base = head_dim, base
+        self.head_dim, self.base = head_dim, base  # head_dim: the rotated dimensions
         self.inv_freq = inv_freq  # rescaled frequencies (context extension), or None for base's own
         self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last eval-mode call
 
@@ -70,6 +74,10 @@ class RotaryEmbedding(PositionModule):
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # broadcast over batch and heads, so H != Hkv is fine
             if memo:
                 self._last = (positions, q.dtype, cos, sin)
+        if q.shape[-1] != self.head_dim:  # partial rotary: the rest of each head passes unrotated
+            r = self.head_dim
+            return (torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1),
+                    torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1))
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -82,6 +90,8 @@ class RotaryPositionOptions(Options):
                                                   "divided by factor")
     high_freq_factor: float = Field(4.0, gt=0, help="llama3: pairs faster than original_max_positions / this are kept")
     original_max_positions: int = Field(8192, gt=0, help="llama3: the context the model was pre-trained on")
+    fraction: float = Field(1.0, gt=0, le=1, help="the share of each head's dimensions rotated (GPT-NeoX's "
+                                                  "rotary_pct, 0.25 in Pythia); the rest carry no position")
 
 
 def scaled_frequencies(head_dim: int, o: RotaryPositionOptions) -> torch.Tensor | None:
@@ -109,7 +119,10 @@ class RotaryPosition(Position):
     api = ">=1.8,<2"  # per_row
 
     def build(self, shape: ModelShape) -> RotaryEmbedding:
-        if shape.head_dim % 2:
-            raise UserError(f"rope rotates pairs of dimensions, so the head size model.d_model / model.n_heads "
-                            f"must be even; got {shape.head_dim}", key="position.use")
-        return RotaryEmbedding(shape.head_dim, self.options.base, scaled_frequencies(shape.head_dim, self.options))
+        rotated = int(shape.head_dim * self.options.fraction)  # as GPT-NeoX rounds rotary_pct · head_dim
+        if rotated % 2 or not rotated:
+            raise UserError(f"rope rotates pairs of dimensions, so the rotated part of a head (head size "
+                            f"{shape.head_dim} × position.fraction {self.options.fraction}) must be even and "
+                            f"positive; got {rotated}", key="position.fraction" if self.options.fraction < 1
+                            else "position.use")
+        return RotaryEmbedding(rotated, self.options.base, scaled_frequencies(rotated, self.options))
