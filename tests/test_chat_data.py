@@ -5,6 +5,7 @@ blocks), though lmlab works the marking out without them. A template of the data
 serves a tokenizer without one. Bad input is one line and exit status 2."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +114,22 @@ def test_bad_conversations_and_templates_are_one_line_and_exit_2(tmp_path, case,
                      env={"LMLAB_CACHE": str(tmp_path / "cache")})
     line = refused(result, key)
     assert words in line, line
+
+
+def test_dask_workers_write_conversations_out_as_this_process_does(tmp_path):
+    """Read in parts on a Dask cluster, the conversations go through the same template: byte-identical shards."""
+    pytest.importorskip("distributed")
+    from lmlab.prepare import pipeline
+    from test_prepare import files_of, quiet
+
+    text = " ".join(f"What follows {i}? {i + 1}. And then? {i + 2}, then more. Answer in one word." for i in range(40))
+    folder, _ = hf_folder(tmp_path, text, chat_template=CHATML)
+    for part in range(3):  # three files: three parts for the workers
+        write_chats(tmp_path, conversations(10 * (part + 1))[10 * part:])
+        (tmp_path / "chats.jsonl").rename(tmp_path / f"chats-{part}.jsonl")
+    path = write_manifest(tmp_path, "", f'use = "hf"\npath = "{folder}"')
+    (tmp_path / "chat.toml").write_text(Path(path).read_text().replace('"chats.jsonl"', '"chats-*.jsonl"'))
+    (variant,) = manifest.load(path)
+    local = pipeline.prepare_corpus(variant, root=tmp_path / "local", workers=1, listener=quiet)
+    dask = pipeline.prepare_corpus(variant, root=tmp_path / "dask", workers=2, executor="dask", listener=quiet)
+    assert files_of(dask) == files_of(local)

@@ -285,7 +285,7 @@ def test_hugging_face_weights_load_sharded_or_tied_with_equal_logits(tmp_path, t
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}, "rope_parameters": None}, "rope_type 'yarn'"),
-    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox'"),
+    ({"model_type": "gemma"}, "model_type 'gemma'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_an_unsupported_hugging_face_config_is_refused_naming_init_from(tmp_path, change, message):

@@ -20,7 +20,8 @@ def test_each_architecture_lists_the_model_types_it_reads():
     assert Decoder.hf_model_types == {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                                       "gpt2": "GPT-2"}
     assert EncoderDecoder.hf_model_types == {"t5": "T5"}
-    assert ParallelDecoder.hf_model_types == {}  # Llama's and GPT-2's blocks are sequential: `decoder` reads them
+    # Llama's and GPT-2's blocks are sequential (`decoder` reads them); GPT-NeoX's are parallel.
+    assert ParallelDecoder.hf_model_types == {"gpt_neox": "GPT-NeoX"}
 
 
 def test_a_short_llama_config_gets_llamaconfig_defaults(tmp_path):
