@@ -68,6 +68,12 @@ def special_text(tokenizer, name: str) -> str:
     return tokenizer.decode([found]) if found is not None else ""
 
 
+def run_template(tokenizer, data) -> str | None:
+    """The Jinja chat template a run chats through: its data source's own, else its tokenizer's, else None."""
+    own = data.conversation_template() if data is not None else None
+    return own if own is not None else tokenizer.chat_template()
+
+
 def prompt_text(tokenizer, messages: list[dict], where: str = "chat template", template: str | None = None) -> str:
     """The conversation with the assistant's turn to come, as text, through ``template`` (a data
     source's own, rendered with empty special tokens as its conversations were prepared) or the

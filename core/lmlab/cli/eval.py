@@ -1,4 +1,7 @@
-"""``lmlab eval RUN_DIR --data FILE``: held-out exact match of a run on instruction records, or, for an
+"""``lmlab eval RUN_DIR --tasks NAMES``: lm-evaluation-harness tasks scored on a run
+(:mod:`lmlab.harness`), the results written into its folder and its ``summary.json``.
+
+``lmlab eval RUN_DIR --data FILE``: held-out exact match of a run on instruction records, or, for an
 objective that runs the model itself (reward-model, dpo, ppo), its loss and reported figures.
 
 The records are read by the run's own data plugin (with ``data.path`` pointed at FILE), so the
@@ -14,8 +17,16 @@ from lmlab.errors import UserError
 
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, help="a variant's run folder (holds manifest.toml)")
-    parser.add_argument("--data", type=Path, required=True, help="held-out records, in the run's data format")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
+    parser.add_argument("--tasks", default=None, metavar="NAMES",
+                        help="lm-evaluation-harness tasks, comma-separated (lmlab ships shakespeare_next_line, "
+                             "shakespeare_ppl, shakespeare_instructions; pip install 'lmlab[eval]')")
+    parser.add_argument("--num-fewshot", type=int, default=None, help="examples put before each question (--tasks)")
+    parser.add_argument("--include-path", type=Path, default=None, help="a folder of task YAML files of your own")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (--tasks)")
+    parser.add_argument("--apply-chat-template", action="store_true",
+                        help="put each question through the run's chat template (--tasks)")
+    parser.add_argument("--data", type=Path, default=None, help="held-out records, in the run's data format")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records (of each task)")
     parser.add_argument("--stop", default="\n", help="text that ends an answer (default: a newline)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write every prompt, reference and answer as JSON lines here")
@@ -27,10 +38,14 @@ def main(args) -> int:
     from lmlab.evaluate import answer_all, exact_match
     from lmlab.trained import load_run, refuse_bidirectional
 
-    if not args.data.is_file():
-        raise UserError("no such file", key=str(args.data))
+    if (args.tasks is None) == (args.data is None):
+        raise UserError("give --tasks (lm-evaluation-harness tasks) or --data (held-out records)", key="--tasks")
     if args.limit is not None and args.limit < 1:
         raise UserError("must be positive", key="--limit")
+    if args.tasks is not None:
+        return harness(args)
+    if not args.data.is_file():
+        raise UserError("no such file", key=str(args.data))
     if args.stop == "":
         raise UserError("a stop string cannot be empty (it would end every answer before it starts); "
                         "the default is a newline", key="--stop")
@@ -101,4 +116,32 @@ def _objective_scores(run, args) -> int:
         atomic_write_bytes(args.out, (json.dumps({"records": scores.records, **figures}) + "\n").encode())
     shown = " | ".join(f"{k} {v:.4f}" for k, v in figures.items())
     print(f"{run.objective.name} on {scores.records} records of {args.data}: {shown}")
+    return 0
+
+
+def harness(args) -> int:
+    """--tasks: lm-eval's tasks on the run, printed as lm-eval prints them and written into the run."""
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("names no task", key="--tasks")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError("must be 0 or more", key="--num-fewshot")
+    if args.batch_size < 1:
+        raise UserError("must be positive", key="--batch-size")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError("scoring tasks needs lm-evaluation-harness: pip install 'lmlab[eval]'", key="--tasks") from None
+    from lmlab.harness import scores
+    from lmlab.trained import load_run
+
+    run = load_run(args.run_dir, args.overrides)
+    results = scores.evaluate(run, tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                              include_path=args.include_path, batch_size=args.batch_size,
+                              chat=args.apply_chat_template)
+    path = scores.record(args.run_dir, results)
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    print(f"results: {path}")
     return 0

@@ -1,0 +1,144 @@
+"""``lmlab eval RUN --tasks``: lm-evaluation-harness's tasks scored on a run through lmlab's own model
+class give the numbers lm-eval's ``hf`` model gives on the run exported as a Hugging Face folder
+(accuracies and exact matches equal, every log-likelihood within 1e-4); the shipped tasks load without
+a network and come from scripts/make_harness_tasks.py byte for byte; the results land in the run
+folder and summary.json; bad input is one line and exit 2."""
+
+import gzip
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from conftest import CORPUS, tiny_toml
+from lmlab.cli.main import main
+from support import hf_folder, refused, run_cli
+
+lm_eval = pytest.importorskip("lm_eval")
+transformers = pytest.importorskip("transformers")
+
+TASKS = ["shakespeare_next_line", "shakespeare_ppl", "shakespeare_instructions"]
+FINE_TUNE = """
+name = "ft"
+[init]
+from = "{init}"
+[data]
+use = "text-file"
+path = "{data}"
+[model]
+block_size = 64
+[tracker]
+use = "none"
+[train]
+sample_tokens = 0
+max_steps = 3
+eval_every = 3
+batch_size = 4
+eval_steps = 1
+warmup_steps = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A Llama-shaped run fine-tuned from a Hugging Face folder, and the folder `lmlab export` makes of it."""
+    root = tmp_path_factory.mktemp("harness")
+    text = CORPUS.read_text()[:30_000]
+    (root / "tiny.txt").write_text(text)
+    folder, _ = hf_folder(root, text)
+    (root / "ft.toml").write_text(FINE_TUNE.format(init=folder, data=root / "tiny.txt"))
+    assert main(["run", str(root / "ft.toml"), "--out", str(root / "runs")]) == 0
+    run_dir = root / "runs" / "default"
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(root / "hf")]) == 0
+    return run_dir, root / "hf"
+
+
+def test_lmlab_eval_scores_as_lm_evals_hf_model_does_on_the_exported_folder(exported, capsys):
+    from lm_eval.models.huggingface import HFLM
+
+    from lmlab.harness import scores
+
+    run_dir, folder = exported
+    assert main(["eval", str(run_dir), "--tasks", ",".join(TASKS), "--limit", "12", "--batch-size", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "shakespeare_next_line" in out and "results:" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ours = summary["eval"]
+    assert set(ours) == set(TASKS) and 0 <= ours["shakespeare_next_line"]["acc"] <= 1
+    assert ours["shakespeare_ppl"]["word_perplexity"] > 1 and "exact_match" in ours["shakespeare_instructions"]
+    (written,) = (run_dir / "eval").glob("harness-*.json")
+    assert json.loads(written.read_text())["versions"]["shakespeare_next_line"] == 1.0
+
+    hf = HFLM(pretrained=str(folder), device="cpu", batch_size=5, dtype="float32")
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=TASKS, limit=12, task_manager=scores.task_manager(),
+                                     log_samples=True, bootstrap_iters=0)
+    for task in TASKS:
+        for metric, value in ours[task].items():
+            assert theirs["results"][task][f"{metric},none"] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, metric)
+    mine = [json.loads(line) for line in (run_dir / "eval" / "samples-shakespeare_next_line.jsonl").open()]
+    assert len(mine) == 12
+    for a, b in zip(mine, theirs["samples"]["shakespeare_next_line"]):  # each choice's log-likelihood
+        assert a["doc_id"] == b["doc_id"] and len(a["resps"]) == 4
+        for ours_, theirs_ in zip(a["resps"], b["resps"]):
+            assert float(ours_[0][0]) == pytest.approx(float(theirs_[0][0]), abs=1e-4)
+
+
+def test_the_shipped_tasks_are_what_the_script_writes(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_harness_tasks", CORPUS.parent.parent / "scripts" /
+                                                  "make_harness_tasks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--out", str(tmp_path)])
+    for path in sorted(tmp_path.glob("*.jsonl.gz")):
+        assert path.read_bytes() == (script.OUT / path.name).read_bytes(), path.name
+    rows = [json.loads(line) for line in gzip.open(script.OUT / "shakespeare_next_line.jsonl.gz", "rt")]
+    assert len(rows) == 200 and all(len(r["choices"]) == 4 and 0 <= r["gold"] < 4 for r in rows)
+
+
+def test_bad_input_is_one_line_and_exit_2(exported, tmp_path):
+    run_dir, _ = exported
+    assert "--tasks" in refused(run_cli("eval", str(run_dir), "--tasks", "no_such_task"), "--tasks")
+    refused(run_cli("eval", str(run_dir), "--tasks", "shakespeare_ppl", "--num-fewshot", "-1"), "--num-fewshot")
+    own = tmp_path / "tasks"
+    own.mkdir()
+    (own / "missing.yaml").write_text("task: my_missing\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                      f"    test: {tmp_path / 'nothing.jsonl'}\noutput_type: loglikelihood_rolling\n"
+                                      "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n")
+    line = refused(run_cli("eval", str(run_dir), "--tasks", "my_missing", "--include-path", str(own)), "--tasks")
+    assert "nothing.jsonl" in line
+
+
+def test_an_encoder_only_run_is_refused_naming_its_objective(tmp_path):
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:20_000])
+    (tmp_path / "mlm.toml").write_text(tiny_toml("tiny.txt", steps=2, eval_every=2, checkpoint_every=2,
+                                                 sample_tokens=0) + '\n[objective]\nuse = "mlm"\n')
+    assert main(["run", str(tmp_path / "mlm.toml"), "--out", str(tmp_path / "runs")]) == 0
+    refused(run_cli("eval", str(tmp_path / "runs" / "default"), "--tasks", "shakespeare_instructions"), "objective.use")
+    shutil.rmtree(tmp_path / "runs")
+
+
+def test_a_lora_run_scores_as_lm_evals_hf_model_with_the_exported_adapter(exported, tmp_path):
+    """A PEFT run is scored with its adapter: as lm-eval's hf model scores the base with `peft=`."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lmlab.harness import scores
+    from lmlab.trained import load_run
+
+    run_dir, _ = exported
+    init = run_dir.parent.parent / "hf-llama"
+    (tmp_path / "lora.toml").write_text(FINE_TUNE.format(init=init, data=run_dir.parent.parent / "tiny.txt")
+                                        + '[peft]\nuse = "lora"\ntargets = ["q", "v"]\n[optimizer]\nuse = "adamw"\n'
+                                          'lr = 0.05\n')
+    assert main(["run", str(tmp_path / "lora.toml"), "--out", str(tmp_path / "runs")]) == 0
+    lora = tmp_path / "runs" / "default"
+    assert main(["export", str(lora), "--format", "peft", "--out", str(tmp_path / "adapter")]) == 0
+    tasks = ["shakespeare_next_line", "shakespeare_ppl"]
+    ours = scores.evaluate(load_run(lora), tasks, limit=8)
+    hf = HFLM(pretrained=str(init), peft=str(tmp_path / "adapter"), device="cpu", batch_size=8, dtype="float32")
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=tasks, limit=8, task_manager=scores.task_manager(),
+                                     bootstrap_iters=0)
+    for task in tasks:
+        for key, value in ours["results"][task].items():
+            if isinstance(value, float):
+                assert theirs["results"][task][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, key)
