@@ -142,3 +142,44 @@ def test_a_lora_run_scores_as_lm_evals_hf_model_with_the_exported_adapter(export
         for key, value in ours["results"][task].items():
             if isinstance(value, float):
                 assert theirs["results"][task][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, key)
+
+
+def test_the_scores_reach_the_runs_wandb_record(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:20_000])
+    manifest = tiny_toml("tiny.txt", steps=2, eval_every=2, checkpoint_every=2, sample_tokens=0)
+    (tmp_path / "w.toml").write_text(manifest.replace('[tracker]\nuse = "none"', '[tracker]\nuse = "wandb"'))
+    assert main(["run", str(tmp_path / "w.toml"), "--out", str(tmp_path / "runs")]) == 0
+    run_dir = tmp_path / "runs" / "default"
+    assert main(["eval", str(run_dir), "--tasks", "shakespeare_next_line", "--limit", "4",
+                 "--set", "tokenizer.unknown=skip"]) == 0  # a character 20 kB of text never showed
+    acc = json.loads((run_dir / "summary.json").read_text())["eval"]["shakespeare_next_line"]["acc"]
+    # The run reopened offline under its id (a second offline folder, which `wandb sync` merges into the
+    # run), its summary record holding each score as key and JSON value.
+    first, again = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert first.name == again.name  # one run id
+    record = again.read_bytes()
+    assert b"eval/shakespeare_next_line/acc" in record and json.dumps(acc).encode() in record
+    assert b"eval/shakespeare_next_line" not in first.read_bytes()
+
+
+def test_a_sweeps_variants_are_compared_on_a_task_score(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:60_000])
+    (tmp_path / "s.toml").write_text(tiny_toml("tiny.txt", steps=4, eval_every=4, checkpoint_every=4, sample_tokens=0)
+                                     + '\n[sweep]\n"attention.use" = ["mha", "mqa"]\nseeds = [1, 2]\n')
+    assert main(["run", str(tmp_path / "s.toml"), "--out", str(tmp_path / "runs")]) == 0
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if (p / "summary.json").is_file())
+    assert len(runs) == 4
+    for run_dir in runs:
+        assert main(["eval", str(run_dir), "--tasks", "shakespeare_ppl", "--limit", "3",
+                     "--set", "tokenizer.unknown=skip"]) == 0
+    capsys.readouterr()
+    html = tmp_path / "report.html"
+    assert main(["compare", str(tmp_path / "runs"), "--metric", "shakespeare_ppl/bits_per_byte",
+                 "--html", str(html)]) == 0
+    table = capsys.readouterr().out
+    assert "attention.use=mha" in table and "attention.use=mqa" in table and "baseline" in table
+    assert "lower is better" in html.read_text() and "shakespeare_ppl/bits_per_byte" in html.read_text()
+    assert main(["compare", str(tmp_path / "runs"), "--metric", "shakespeare_ppl/nothing"]) == 2
+    assert "shakespeare_ppl/bits_per_byte" in capsys.readouterr().err  # the metrics the runs report

@@ -88,6 +88,13 @@ class Tracker(Plugin):
             status: ``"completed"``, ``"failed"`` or ``"interrupted"``.
         """
 
+    def amend(self, run_dir: Path, values: dict[str, float]) -> None:
+        """Add figures to a finished run's record (API 1.21): ``lmlab eval`` gives each task's scores,
+        keyed ``eval/<task>/<metric>``, after the run ended, when [finish][lmlab.api.tracker.Tracker.finish]
+        has long been called (in another process). A tracker that keeps a remote run reopens it (its
+        id kept under ``run_dir``) and adds them to its summary. Called in the main process, on an
+        instance with the run's options, never between start and finish. Default: nothing."""
+
     def closing_note(self, run_dirs: list[Path]) -> str | None:
         """Something to print once ``lmlab run`` has gone through all its variants, e.g. how to
         upload offline runs (API 1.2).

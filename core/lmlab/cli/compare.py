@@ -10,7 +10,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("runs_dir", type=Path, nargs="?",
                         help="a manifest's runs folder, e.g. runs/attention-ablation (or use --wandb)")
     parser.add_argument("--metric", default="val_loss",
-                        help="summary metric to compare (default val_loss; e.g. best_val_loss, tokens_per_s)")
+                        help="summary metric to compare (default val_loss; e.g. best_val_loss, tokens_per_s, or a "
+                             "task score of lmlab eval --tasks as TASK/METRIC: shakespeare_next_line/acc)")
     parser.add_argument("--baseline", metavar="VARIANT",
                         help="variant (name without its seed) the others are tested against; default: the "
                              "sweep's first")

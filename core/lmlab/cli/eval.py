@@ -139,7 +139,7 @@ def harness(args) -> int:
     results = scores.evaluate(run, tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                               include_path=args.include_path, batch_size=args.batch_size,
                               chat=args.apply_chat_template)
-    path = scores.record(args.run_dir, results)
+    path = scores.record(args.run_dir, results, run.plugins.get("tracker"))
     from lm_eval.utils import make_table
 
     print(make_table(results))

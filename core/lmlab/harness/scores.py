@@ -64,8 +64,9 @@ def metrics(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def record(run_dir: Path, results: dict) -> Path:
-    """Write lm-eval's results into ``run_dir``; returns the results file."""
+def record(run_dir: Path, results: dict, tracker=None) -> Path:
+    """Write lm-eval's results into ``run_dir`` and, through the run's ``tracker`` plugin, into its
+    remote record (``Tracker.amend``); returns the results file."""
     from lm_eval.utils import handle_non_serializable
 
     from lmlab.rundir import atomic_write_bytes, load_summary
@@ -83,4 +84,7 @@ def record(run_dir: Path, results: dict) -> Path:
     summary = load_summary(run_dir, "remove it to start a new one") or {}
     summary.setdefault("eval", {}).update(metrics(results))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
+    if tracker is not None:
+        tracker.amend(run_dir, {f"eval/{task}/{name}": value for task, values in metrics(results).items()
+                                for name, value in values.items()})
     return path

@@ -17,6 +17,32 @@ from lmlab.report.stats import Welch, mean_std, welch
 
 #: Summary metrics where more is better; for every other one (losses, memory, time) less is.
 HIGHER_IS_BETTER = {"tokens_per_s", "accuracy", "acc"}
+#: Task metrics (``TASK/METRIC``, from ``lmlab eval --tasks``) where lower is better; the others
+#: (acc, acc_norm, exact_match, ...) are scores.
+LOWER_TASK_METRICS = ("perplexity", "bits_per_byte", "loss")
+
+
+def higher_is_better(metric: str) -> bool:
+    if "/" in metric:
+        return not any(word in metric.split("/", 1)[1] for word in LOWER_TASK_METRICS)
+    return metric in HIGHER_IS_BETTER
+
+
+def metric_value(summary: dict, metric: str):
+    """The summary's value of ``metric``: a top-level figure (``val_loss``), or ``TASK/METRIC`` from the
+    task scores ``lmlab eval --tasks`` wrote under ``eval``."""
+    if "/" in metric:
+        task, _, name = metric.partition("/")
+        scores = summary.get("eval")
+        return scores.get(task, {}).get(name) if isinstance(scores, dict) else None
+    return summary.get(metric)
+
+
+def _reported(summary: dict) -> list[str]:
+    scores = summary.get("eval") if isinstance(summary.get("eval"), dict) else {}
+    return [k for k, v in summary.items() if _is_number(v)] + [
+        f"{task}/{name}" for task, values in scores.items() if isinstance(values, dict)
+        for name, v in values.items() if _is_number(v)]
 
 
 @dataclass
@@ -56,7 +82,7 @@ class Comparison:
 
     @property
     def higher_is_better(self) -> bool:
-        return self.metric in HIGHER_IS_BETTER
+        return higher_is_better(self.metric)
 
 
 def summarize(runset: RunSet, metric: str = "val_loss", baseline: str | None = None,
@@ -66,9 +92,9 @@ def summarize(runset: RunSet, metric: str = "val_loss", baseline: str | None = N
     if not completed:
         raise UserError("holds no completed runs (every summary.json has a status other than completed)",
                         key=runset.source)
-    missing = [r.name for r in completed if not _is_number(r.summary.get(metric))]
+    missing = [r.name for r in completed if not _is_number(metric_value(r.summary, metric))]
     if missing:
-        having = sorted({k for r in completed for k, v in r.summary.items() if _is_number(v)})
+        having = sorted({k for r in completed for k in _reported(r.summary)})
         if len(missing) == len(completed):
             raise UserError(f"no run reports {metric!r}; the runs report: {', '.join(having)}", key="--metric")
         raise UserError(f"runs of different metrics: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
@@ -92,24 +118,24 @@ def summarize(runset: RunSet, metric: str = "val_loss", baseline: str | None = N
 
         raise UserError(f"no variant {baseline!r} among the completed runs{did_you_mean(baseline, list(groups))}; "
                         f"the variants are: {', '.join(order)}", key="--baseline")
-    reference = [r.summary[metric] for r in groups[baseline]]
+    reference = [metric_value(r.summary, metric) for r in groups[baseline]]
     rows = []
     for name in order:
         runs = groups[name]
-        values = [float(r.summary[metric]) for r in runs]
+        values = [float(metric_value(r.summary, metric)) for r in runs]
         mean, std = mean_std(values)
         step_mb = [r.summary["activation_mb"] + r.summary["state_mb"] for r in runs
                    if _is_number(r.summary.get("activation_mb")) and _is_number(r.summary.get("state_mb"))]
         rows.append(Row(
             variant=name, values=values, seeds=[r.name for r in runs], mean=mean, std=std,
-            best=max(values) if metric in HIGHER_IS_BETTER else min(values),
+            best=max(values) if higher_is_better(metric) else min(values),
             test=None if name == baseline else welch(values, reference),
             tokens_per_s=_median(r.summary.get("tokens_per_s") for r in runs),
             peak_mem_mb=_max(r.summary.get("peak_mem_mb") for r in runs),
             step_mb=max(step_mb) if step_mb else None,
             params=runs[0].summary.get("params"), failed=failed.get(name, [])))
     if not runset.order:  # no sweep order to keep: best first
-        rows.sort(key=lambda row: -row.mean if metric in HIGHER_IS_BETTER else row.mean)
+        rows.sort(key=lambda row: -row.mean if higher_is_better(metric) else row.mean)
     return Comparison(runset.source, metric, baseline, alpha, rows, incomplete)
 
 

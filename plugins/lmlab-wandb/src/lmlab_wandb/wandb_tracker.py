@@ -42,7 +42,7 @@ class WandbTracker(Tracker):
     """One W&B run per variant; several runs in one process are kept apart."""
 
     Options = WandbOptions
-    api = ">=1.2,<2"  # RunInfo.variant and .environment, closing_note; run_files (1.18) where there
+    api = ">=1.2,<2"  # RunInfo.variant and .environment, closing_note; run_files (1.18), amend (1.21) where there
     run_files = ("wandb",)  # wandb.init(dir=run_dir) and the run id file
 
     def __init__(self, options: WandbOptions | None = None):
@@ -50,25 +50,41 @@ class WandbTracker(Tracker):
         self._run = None
 
     def start(self, info: RunInfo) -> None:
-        import wandb  # imported here: its import is slow and `lmlab check` never tracks
-
-        mode = self.options.mode or os.environ.get("WANDB_MODE") or "offline"
         id_file = info.run_dir / "wandb" / "run_id"
         id_file.parent.mkdir(parents=True, exist_ok=True)  # wandb.init(dir=run_dir) writes here too
         run_id = id_file.read_text().strip() if id_file.is_file() else None
-        self._run = wandb.init(
-            project=self.options.project, entity=self.options.entity, group=info.group, name=info.name,
+        self._run = self._init(
+            info.run_dir, run_id, group=info.group, name=info.name,
             tags=[*self.options.tags, *plugin_tags(info.plugins)], job_type=job_type(info.config),
-            config=run_config(info), dir=str(info.run_dir),
-            mode=mode, id=run_id, resume="allow" if run_id else None,
+            config=run_config(info))
+        if run_id is None and self._mode() != "disabled":
+            id_file.write_text(self._run.id)
+
+    def amend(self, run_dir: Path, values: dict[str, float]) -> None:
+        """The run reopened by its id (an offline run gets a new offline folder of the same id, which
+        ``wandb sync`` merges), the values added to its summary."""
+        id_file = run_dir / "wandb" / "run_id"
+        if not id_file.is_file():
+            return
+        run = self._init(run_dir, id_file.read_text().strip())
+        run.summary.update(values)
+        run.finish()
+
+    def _mode(self) -> str:
+        return self.options.mode or os.environ.get("WANDB_MODE") or "offline"
+
+    def _init(self, run_dir: Path, run_id: str | None, **details):
+        import wandb  # imported here: its import is slow and `lmlab check` never tracks
+
+        return wandb.init(
+            project=self.options.project, entity=self.options.entity, dir=str(run_dir), mode=self._mode(),
+            id=run_id, resume="allow" if run_id else None,
             # Each variant of a sweep is its own run, even when they share this process.
             reinit="create_new",
             settings=wandb.Settings(
                 silent=True, console="off",  # our CLI owns the terminal; metrics.jsonl has the logs
                 save_code=False, disable_code=True, disable_git=True, disable_job_creation=True),
-        )
-        if run_id is None and mode != "disabled":
-            id_file.write_text(self._run.id)
+            **details)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._require_run().log(metrics, step=step)
