@@ -222,3 +222,16 @@ use = "none"
     after = assistant_loss(tuned.model.eval(), tuned.tokenizer, held_out)
     print(f"held-out assistant-turn loss {before:.3f} before, {after:.3f} after")
     assert after < 0.5 * before, (before, after)
+
+
+def test_smollm2_scores_on_the_shipped_tasks(smol_run, capsys):
+    """The real-model path of lm-eval: SmolLM2 read from its GGUF file, scored on lmlab's own tasks."""
+    pytest.importorskip("lm_eval")
+    assert main(["eval", str(smol_run), "--tasks", "shakespeare_next_line,shakespeare_ppl", "--limit", "60",
+                 "--batch-size", "16"]) == 0
+    print(capsys.readouterr().out)
+    scores = json.loads((smol_run / "summary.json").read_text())["eval"]
+    print(scores)
+    # Four choices: chance is 0.25. Unnormalised accuracy favours short lines; per-byte it is 0.50 here.
+    assert scores["shakespeare_next_line"]["acc_norm"] > 0.35
+    assert scores["shakespeare_ppl"]["bits_per_byte"] < 2.0

@@ -183,3 +183,21 @@ def test_a_sweeps_variants_are_compared_on_a_task_score(tmp_path, capsys):
     assert "lower is better" in html.read_text() and "shakespeare_ppl/bits_per_byte" in html.read_text()
     assert main(["compare", str(tmp_path / "runs"), "--metric", "shakespeare_ppl/nothing"]) == 2
     assert "shakespeare_ppl/bits_per_byte" in capsys.readouterr().err  # the metrics the runs report
+
+
+def test_a_manifests_eval_table_scores_each_variant_at_its_end(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:60_000])
+    base = tiny_toml("tiny.txt", steps=2, eval_every=2, checkpoint_every=2, sample_tokens=0)
+    (tmp_path / "e.toml").write_text(base + '\n[tokenizer]\nuse = "char"\nunknown = "skip"\n\n'
+                                     '[eval]\ntasks = ["shakespeare_ppl"]\nlimit = 2\n')
+    assert main(["check", str(tmp_path / "e.toml")]) == 0
+    assert main(["run", str(tmp_path / "e.toml"), "--out", str(tmp_path / "runs")]) == 0
+    run_dir = tmp_path / "runs" / "default"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["eval"]["shakespeare_ppl"]["bits_per_byte"] > 0
+    assert "[eval]" in (run_dir / "manifest.toml").read_text()
+    # An unknown task is refused before anything trains.
+    (tmp_path / "bad.toml").write_text(base + '\n[eval]\ntasks = ["no_such_task"]\n')
+    result = run_cli("run", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "bad"))
+    refused(result, "eval.tasks")
+    assert not (tmp_path / "bad" / "default" / "checkpoints").exists()

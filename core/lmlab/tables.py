@@ -11,7 +11,7 @@ from lmlab.errors import did_you_mean
 from lmlab.errors import UserError
 
 TOP_LEVEL = ("name", "seed", "description", "sweep")
-CORE_TABLE_NAMES = ("model", "train", "init", "resolved")  # lmlab.config.CORE_TABLES, named without importing pydantic
+CORE_TABLE_NAMES = ("model", "train", "init", "resolved", "eval")  # lmlab.config.CORE_TABLES, named without importing pydantic
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 

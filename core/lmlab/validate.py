@@ -81,6 +81,11 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, point) -> Varia
         else:
             others = point.uses.get(slot, set()) if slot in switched else set()
             slots[slot] = _single(slot, table, base_dir, slot in switched, notes, others)
+    scored = None
+    if "eval" in manifest:
+        if not isinstance(manifest["eval"], dict):
+            raise UserError("must be a table", key="eval")
+        scored = validate_options(CORE_TABLES["eval"], manifest["eval"], "eval", base_dir)
     resolved = derive(tables["train"], tables["model"], slots.get("optimizer"), slots.get("parallel"))
     if "resolved" in manifest:
         _check_resolved(manifest["resolved"], resolved, tables["train"], tables["model"], base_dir)
@@ -89,6 +94,7 @@ def _validate(variant_name: str, manifest: dict, base_dir: Path, point) -> Varia
     _resolve_order(slots, train.max_steps)
     return Variant(variant_name, experiment=name, seed=seed, description=description, model=tables["model"],
                    train=train, resolved=resolved, slots=slots, base_dir=base_dir, init=init, init_source=source,
+                   eval=scored,
                    sweep=dict(point.settings) if point is not None else {}, notes=tuple(notes))
 
 

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lmlab.api import Options, Plugin
-from lmlab.api.run import InitOptions, ModelOptions, ResolvedOptions, RunSettings, TrainOptions
+from lmlab.api.run import EvalOptions, InitOptions, ModelOptions, ResolvedOptions, RunSettings, TrainOptions
 from lmlab.slots import MANY_SLOTS, SLOTS
 
 _SEED_PART = re.compile(r"(^|,)seed=-?\d+")
@@ -83,6 +83,7 @@ class Variant(RunSettings):
     base_dir: Path = Path(".")  # the manifest's folder: relative paths resolved against it
     init: InitOptions | None = None  # a fine-tune's [init], or None
     init_source: InitSource | None = None  # where init.from was found (located once)
+    eval: EvalOptions | None = None  # [eval]: the tasks scored at the end, or None
     sweep: Mapping[str, Any] = field(default_factory=dict)  # this point's [sweep] settings
     notes: tuple[str, ...] = ()  # what resolution changed that the user should know
     peer_keys: tuple[str, ...] = ()  # dotted keys of every variant of the same manifest (for trackers)
@@ -114,6 +115,8 @@ class Variant(RunSettings):
                 out[slot] = {"use": chosen.name, **chosen.table()}
         if self.resolved is not None:
             out["resolved"] = self.resolved.model_dump(mode="json", exclude_none=True)
+        if self.eval is not None:
+            out["eval"] = self.eval.model_dump(mode="json", exclude_none=True)
         return out
 
     @cached_property

@@ -148,6 +148,17 @@ class InitOptions(Options):
 
 
 
+class EvalOptions(Options):
+    """``[eval]``: lm-evaluation-harness tasks scored at the end of each variant's run (API 1.21), as
+    ``lmlab eval RUN --tasks`` scores them (needs ``lmlab[eval]``)."""
+
+    tasks: list[str] = Field([], help="task names (lmlab ships shakespeare_next_line, shakespeare_ppl, "
+                                      "shakespeare_instructions); empty: none")
+    limit: int | None = Field(None, gt=0, help="score only the first N documents of each task")
+    num_fewshot: int | None = Field(None, ge=0, help="examples put before each question (unset: the task's)")
+    batch_size: int = Field(8, gt=0, help="requests per forward pass")
+
+
 class RunSettings:
     """One resolved variant of a manifest, as plugins see it (API 1.20): ``CheckContext.run``,
     ``RunControl.run``, the ``run`` given to ``Peft.apply`` and to the ``lmlab_model_built`` hook.
@@ -171,6 +182,8 @@ class RunSettings:
     ``manifest.toml``'s ``[resolved]`` records it."""
     init: InitOptions | None
     """A fine-tune's ``[init]``, or None."""
+    eval: EvalOptions | None
+    """``[eval]``, the tasks scored at the end of the run (API 1.21), or None."""
 
     def uses(self, slot: str) -> str | tuple[str, ...] | None:
         """The plugin the variant names for ``slot`` (a tuple of names for a many-valued slot), or None

@@ -13,7 +13,11 @@ SHIPPED = Path(__file__).resolve().parent / "tasks"
 
 
 def task_manager(include_path: Path | None = None):
-    from lm_eval.tasks import TaskManager
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError("scoring tasks needs lm-evaluation-harness: pip install 'lmlab[eval]'",
+                        key="eval.tasks") from None
 
     paths = [str(SHIPPED)]
     if include_path is not None:
@@ -23,13 +27,13 @@ def task_manager(include_path: Path | None = None):
     return TaskManager(include_path=paths)
 
 
-def check_tasks(manager, tasks: list[str]) -> None:
+def check_tasks(manager, tasks: list[str], key: str = "--tasks") -> None:
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
         shipped = sorted(t for t in known if t.startswith("shakespeare_"))
         raise UserError(f"no task {unknown[0]!r} in lm-eval or --include-path (lmlab ships {', '.join(shipped)}; "
-                        "`lm_eval ls tasks` lists lm-eval's)", key="--tasks")
+                        "`lm_eval ls tasks` lists lm-eval's)", key=key)
 
 
 def evaluate(run, tasks: list[str], *, num_fewshot: int | None = None, limit: int | None = None,

@@ -16,7 +16,7 @@ from lmlab import checkpoint, checks, objective_runs, provenance, signals
 from lmlab.assemble import assemble
 from lmlab.api import RunInfo
 from lmlab.api.monitor import RunFailed
-from lmlab.errors import UserError
+from lmlab.errors import UserError, warn
 from lmlab.hooks import Hooks
 from lmlab.train import allocator, memory
 from lmlab.train.control import Control
@@ -44,8 +44,16 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=(), ch
     started = time.perf_counter()
     attempt = {"recorded": False}  # whether this attempt's summary.json has been written
     control = Control(run_dir, variant, rank=_rank(), is_main=is_main_process())
+    tasks = variant.eval.tasks if variant.eval is not None else []
+    if tasks:  # unknown task names are refused before training, not after it
+        from lmlab.harness import scores
+
+        scores.check_tasks(scores.task_manager(), tasks, key="eval.tasks")
     try:
-        return _run(variant, run_dir, resume, extra_hooks, started, attempt, checked, control)
+        result = _run(variant, run_dir, resume, extra_hooks, started, attempt, checked, control)
+        if tasks and result.is_main and result.summary.get("status") == "completed":
+            result.summary["eval"] = _scored(variant, run_dir)
+        return result
     except UserError:
         raise  # bad input, found before the run began: the message is the record, the folder untouched
     except BaseException as exc:
@@ -60,6 +68,24 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=(), ch
         if failure is not exc:
             raise failure from exc
         raise
+
+
+def _scored(variant, run_dir: Path) -> dict:
+    """[eval]'s tasks scored on the finished run, as ``lmlab eval --tasks`` scores them: written into the
+    run folder, summary.json and the tracker's record. A task that cannot be scored leaves the run
+    completed, with a warning."""
+    from lmlab.harness import scores
+    from lmlab.trained import load_run
+
+    o = variant.eval
+    try:
+        run = load_run(run_dir)
+        results = scores.evaluate(run, o.tasks, num_fewshot=o.num_fewshot, limit=o.limit, batch_size=o.batch_size)
+        scores.record(run_dir, results, run.plugins.get("tracker"))
+    except UserError as exc:
+        warn(f"{run_dir.name}: the [eval] tasks could not be scored: {exc}")
+        return {}
+    return scores.metrics(results)
 
 
 def _rank() -> int:
