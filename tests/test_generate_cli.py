@@ -72,3 +72,21 @@ def test_speculative_decoding_with_the_run_as_its_own_draft_gives_the_greedy_tex
     assert main(generate(trained_run, "--prompt", "ROMEO:", "--set", "decoding.use=speculative",
                          "--set", f"decoding.draft={trained_run}")) == 0
     assert capsys.readouterr().out == greedy
+
+
+def test_beam_candidates_end_at_the_stop_string_as_the_answer_does():
+    """A beam search's candidates are cut where their completion would be, at a stop string or the
+    end-of-text token (issue 40: `lmlab generate` printed them whole, past the stop string)."""
+    from lmlab.generation.outputs import Outputs
+
+    class Letters:
+        vocab_size = 27
+
+        def decode(self, ids):
+            return "".join(" abcdefghijklmnopqrstuvwxyz"[i] for i in ids)
+
+    outputs = Outputs(Letters(), [10], stop=[[" th"]], eos_id=26)
+    # "and the", "and then", "an ox" + end of text + "yy": each offered whole, as a beam search offers them.
+    offered = [([1, 14, 4, 0, 20, 8, 5], -1.0), ([1, 14, 4, 0, 20, 8, 5, 14], -2.0), ([1, 14, 0, 15, 24, 26, 25, 25], -3.0)]
+    outputs.offer(0, offered)
+    assert outputs.candidate_texts(0) == [("and", -1.0), ("and", -2.0), ("an ox", -3.0)]

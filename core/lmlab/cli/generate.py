@@ -96,7 +96,6 @@ def main(args) -> int:
     prompts = read_prompts(args.prompts) if args.prompts is not None else [args.prompt if args.prompt is not None else "\n"]
 
     from lmlab.generation.batch import generate_texts
-    from lmlab.generation.outputs import text_of
     from lmlab.generation.runs import prepare_decoder
     from lmlab.trained import load_run, refuse_bidirectional
 
@@ -121,14 +120,14 @@ def main(args) -> int:
                             compile=getattr(decoder.options, "compile", False), on_text=show)
     if args.prompts is None:
         sys.stdout.write("\n")
-        for tokens, score in result.outputs.completions[0].candidates[1:]:
-            print(f"[alternative, score {score:.4f}] {text_of(run.tokenizer, tokens)!r}", file=sys.stderr)
+        for text, score in result.outputs.candidate_texts(0)[1:]:
+            print(f"[alternative, score {score:.4f}] {text!r}", file=sys.stderr)
     else:
         for i, c in enumerate(result.outputs.completions):
             line = {"index": i, "prompt": prompts[i], "text": c.text, "finish_reason": c.finish_reason,
                     "tokens": len(c.tokens)}
             if c.candidates:
-                line["candidates"] = [{"text": text_of(run.tokenizer, t), "score": s} for t, s in c.candidates]
+                line["candidates"] = [{"text": t, "score": s} for t, s in result.outputs.candidate_texts(i)]
             print(json.dumps(line, ensure_ascii=False))
     sys.stdout.flush()
     how = result.note or f"{cache} cache"  # a model's own engine says what stands for the cache

@@ -67,6 +67,16 @@ class Outputs:
 
     # -- the core's side ----------------------------------------------------------------------------
 
+    def candidate_texts(self, i: int) -> list[tuple[str, float]]:
+        """Prompt i's candidates (a beam search's) as text, each ending where its completion would: at
+        the end-of-text token or cut at a stop string, with its score."""
+        out = []
+        for tokens, score in self.completions[i].candidates:
+            if self.eos_id is not None and self.eos_id in tokens:
+                tokens = tokens[:tokens.index(self.eos_id)]
+            out.append((self._cut(i, self._decode(tokens))[0], score))
+        return out
+
     def record(self, i: int, tokens: list[int]) -> None:
         """Tokens a decoder yielded for prompt i; those past its end are dropped."""
         c = self.completions[i]
