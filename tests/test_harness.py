@@ -201,3 +201,35 @@ def test_a_manifests_eval_table_scores_each_variant_at_its_end(tmp_path, capsys)
     result = run_cli("run", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "bad"))
     refused(result, "eval.tasks")
     assert not (tmp_path / "bad" / "default" / "checkpoints").exists()
+
+
+def test_lm_evals_local_completions_against_lmlab_serve_scores_as_lmlab_eval(exported):
+    """The third way: lm-eval's OpenAI-compatible client scoring through `lmlab serve` (echo, logprobs,
+    token-id prompts, several prompts a request) gives lmlab eval's numbers."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from lmlab import discovery
+    from lmlab.harness import scores
+    from lmlab.serve.service import Service
+    from lmlab.trained import load_run
+    from support import serving
+
+    run_dir, folder = exported
+    run = load_run(run_dir)
+    tasks = ["shakespeare_next_line", "shakespeare_ppl"]
+    # lm-eval's API models keep one token of max_length for the answer and one more for rolling windows.
+    ours = scores.evaluate(run, tasks, limit=6, max_length=62)
+    service = Service(run.model, run.tokenizer, decoder=discovery.load("decoding", "greedy")(), model_id="ft",
+                      data_name="text-file")
+    with serving(service) as url:
+        api = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model="ft", tokenizer_backend="huggingface",
+                                  tokenizer=str(folder), max_length=64, batch_size=4, tokenized_requests=True)
+        theirs = lm_eval.simple_evaluate(model=api, tasks=tasks, limit=6, task_manager=scores.task_manager(),
+                                         log_samples=True, bootstrap_iters=0)
+    for task in tasks:
+        for key, value in ours["results"][task].items():
+            if isinstance(value, float):
+                assert theirs["results"][task][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, key)
+    for a, b in zip(ours["samples"]["shakespeare_next_line"], theirs["samples"]["shakespeare_next_line"]):
+        for x, y in zip(a["resps"], b["resps"]):
+            assert float(x[0][0]) == pytest.approx(float(y[0][0]), abs=1e-4)

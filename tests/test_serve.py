@@ -355,8 +355,8 @@ def test_a_model_without_a_shared_cache_is_served_row_by_row_with_the_same_text(
     assert type(service.scheduler.engine).__name__ == "RowEngine" and service.context == 32
 
     def complete(prompts: list[str]) -> list[str]:
-        jobs = [service.scheduler.submit(service.completion_job(CompletionRequest(model="m", prompt=p, max_tokens=25,
-                                                                                  temperature=0)))
+        jobs = [service.scheduler.submit(service.completion_jobs(CompletionRequest(model="m", prompt=p, max_tokens=25,
+                                                                                   temperature=0))[0])
                 for p in prompts]
         deadline = time.monotonic() + 60
         while any(j.finished_step is None for j in jobs) and time.monotonic() < deadline:
@@ -436,10 +436,12 @@ BAD = [
     ("completions", {"prompt": "Say"}, 400, "model", None),
     ("completions", {"model": "gpt-4", "prompt": "Say"}, 404, "model", "model_not_found"),
     ("completions", {"model": MODEL}, 400, "prompt", None),
-    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": 0}, 400, "max_tokens", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": 0}, 400, "max_tokens", None),  # without echo
     ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": -3}, 400, "max_tokens", None),
     ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": "5"}, 400, "max_tokens", None),
-    ("completions", {"model": MODEL, "prompt": "Say", "n": 2}, 400, "n", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "n": 17}, 400, "n", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "n": 2, "stream": True}, 400, "stream", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "best_of": 3}, 400, "best_of", None),
     ("completions", {"model": MODEL, "prompt": "Say", "temperature": "hot"}, 400, "temperature", None),
     ("completions", {"model": MODEL, "prompt": "Say", "temperature": -1}, 400, "temperature", None),
     ("completions", {"model": MODEL, "prompt": "Say", "top_k": 0}, 400, "top_k", None),
@@ -454,9 +456,11 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "Say", "top_p": 1.5}, 400, "top_p", None),
     ("completions", {"model": MODEL, "prompt": "Say", "stop": ""}, 400, "stop", None),
     ("completions", {"model": MODEL, "prompt": "Say", "stop": ["\n", ""]}, 400, "stop", None),
-    ("completions", {"model": MODEL, "prompt": ["Say", "Do"]}, 400, "prompt", None),
-    ("completions", {"model": MODEL, "prompt": [1, 2]}, 400, "prompt", None),
-    ("completions", {"model": MODEL, "prompt": "Say", "logprobs": 2}, 400, "logprobs", None),
+    ("completions", {"model": MODEL, "prompt": ["Say", "Do"], "stream": True}, 400, "stream", None),
+    ("completions", {"model": MODEL, "prompt": [1, 10**6]}, 400, "prompt", "invalid_prompt"),
+    ("completions", {"model": MODEL, "prompt": []}, 400, "prompt", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "logprobs": 21}, 400, "logprobs", None),
+    ("completions", {"model": MODEL, "prompt": "Say", "logprobs": 1, "stream": True}, 400, "stream", None),
     ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": LONG, "stream": True}, 400, "prompt", "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "\u20ac"}, 400, "prompt", "invalid_prompt"),
@@ -469,7 +473,8 @@ BAD = [
      "context_length_exceeded"),
     ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}], "stream": True}, 404,
      "model", "model_not_found"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs", None),
     # max_tokens past what the context leaves: refused, not decoded for ever (10**30 is a valid JSON integer)
     ("completions", {"model": MODEL, "prompt": "Say", "max_tokens": 10**30}, 400, "max_tokens",
      "context_length_exceeded"),
@@ -602,7 +607,7 @@ def test_a_scheduler_that_stopped_refuses_late_and_unstarted_requests_at_once(ru
 
     async def main():
         loop = asyncio.get_running_loop()
-        jobs = [service.completion_job(CompletionRequest(model=MODEL, prompt="Say", max_tokens=5)) for _ in range(2)]
+        jobs = [service.completion_jobs(CompletionRequest(model=MODEL, prompt="Say", max_tokens=5))[0] for _ in range(2)]
         for job in jobs:
             job.loop, job.events = loop, asyncio.Queue()
         scheduler.stop()  # no thread to join: only queues the stop
@@ -633,7 +638,7 @@ def test_ctrl_c_anywhere_in_the_loop_still_answers_every_request_it_took(run, mo
 
     async def main():
         loop = asyncio.get_running_loop()
-        jobs = [service.completion_job(CompletionRequest(model=MODEL, prompt="Say", max_tokens=1)) for _ in range(2)]
+        jobs = [service.completion_jobs(CompletionRequest(model=MODEL, prompt="Say", max_tokens=1))[0] for _ in range(2)]
         for job in jobs:
             job.loop, job.events = loop, asyncio.Queue()
             scheduler.submit(job)
@@ -648,7 +653,7 @@ def test_a_job_past_the_context_is_never_submitted(run):
     from lmlab.serve.protocol import CompletionRequest
 
     service = make_service(run, max_batch=2)
-    job = service.completion_job(CompletionRequest(model=MODEL, prompt="Say", max_tokens=61))
+    (job,) = service.completion_jobs(CompletionRequest(model=MODEL, prompt="Say", max_tokens=61))
     assert len(job.ids) + job.max_tokens == service.context == 64
     job.max_tokens = 62
     with pytest.raises(ValueError, match="context"):
@@ -809,3 +814,92 @@ def test_the_decoding_cache_set_for_serve_takes_effect_or_is_refused(chat_run):
     assert engine_settings(options, ["decoding.cache=contiguous"], None)["cache"] == "contiguous"
     refused(run_cli("serve", str(chat_run), "--port", "0", "--cache", "paged", "--set", "decoding.cache=contiguous"),
             "--cache")
+
+
+# -- what evaluation clients send (issue 40) ------------------------------------------------------------
+
+def model_logprobs(run, ids: list[int]) -> torch.Tensor:
+    """(T, V) log-probabilities of each next token, the model run on ``ids`` without a cache."""
+    with torch.no_grad():
+        return torch.log_softmax(run.model(torch.tensor([ids])).float()[0], dim=-1)
+
+
+def test_echo_with_no_new_token_scores_the_prompt_as_the_model_does(server, run):
+    _, url = server
+    prompt = PROMPTS[0]
+    ids = run.tokenizer.encode(prompt).tolist()
+    reply = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+    (choice,) = reply.choices
+    assert choice.text == prompt and choice.finish_reason == "length" and reply.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+    expected = model_logprobs(run, ids)
+    for t in range(1, len(ids)):
+        assert lp.token_logprobs[t] == pytest.approx(float(expected[t - 1, ids[t]]), abs=1e-4)
+        top = expected[t - 1].topk(3)
+        assert sorted(lp.top_logprobs[t].values(), reverse=True) == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert "".join(lp.tokens) == prompt and lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+
+
+def test_new_tokens_carry_the_models_log_probabilities(server, run):
+    _, url = server
+    reply = client(url).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2)
+    (choice,) = reply.choices
+    ids = run.tokenizer.encode(PROMPTS[1]).tolist()
+    made = run.tokenizer.encode(choice.text).tolist()  # the char tokenizer: one token per character
+    expected = model_logprobs(run, ids + made)
+    for i, token in enumerate(made):
+        position = len(ids) + i - 1
+        assert choice.logprobs.token_logprobs[i] == pytest.approx(float(expected[position, token]), abs=1e-4)
+        best = max(choice.logprobs.top_logprobs[i].values())
+        assert best == pytest.approx(choice.logprobs.token_logprobs[i], abs=1e-6)  # greedy: the chosen is the top
+    echoed = client(url).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2,
+                                            echo=True)
+    assert echoed.choices[0].text == PROMPTS[1] + choice.text
+    assert echoed.choices[0].logprobs.token_logprobs[len(ids):] == pytest.approx(choice.logprobs.token_logprobs)
+
+
+def test_several_prompts_token_ids_and_n_copies_come_back_as_indexed_choices(server, run):
+    _, url = server
+    c = client(url)
+    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+             for p in PROMPTS[:3]]
+    batch = c.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2] and [ch.text for ch in batch.choices] == alone
+    ids = [run.tokenizer.encode(p).tolist() for p in PROMPTS[:2]]
+    by_ids = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert [ch.text for ch in by_ids.choices] == alone[:2]
+    assert c.completions.create(model=MODEL, prompt=ids[0], max_tokens=8, temperature=0).choices[0].text == alone[0]
+    # n samples of one prompt: reproducible with a seed, not all the same at temperature 1.
+    many = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, n=4, seed=7)
+    again = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, n=4, seed=7)
+    texts = [ch.text for ch in many.choices]
+    assert texts == [ch.text for ch in again.choices] and len(set(texts)) > 1
+    assert many.usage.prompt_tokens == len(run.tokenizer.encode(PROMPTS[0]))
+    other = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, n=4, seed=8)
+    assert [ch.text for ch in other.choices] != texts
+
+
+def test_chat_answers_carry_logprobs_and_n_copies(server):
+    _, url = server
+    messages = [{"role": "user", "content": "Say abc twice."}]
+    reply = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=2, n=2)
+    assert [ch.index for ch in reply.choices] == [0, 1]
+    first, second = reply.choices
+    assert first.message.content == second.message.content
+    content = first.logprobs.content
+    assert "".join(t.token for t in content).startswith(first.message.content)
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+
+
+def test_a_greedy_server_takes_temperature_zero_and_refuses_any_other(run):
+    from lmlab import discovery
+
+    service = make_service(run, decoder=discovery.load("decoding", "greedy")())
+    with serving(service) as url:
+        c = client(url)
+        reply = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert reply.choices[0].text == c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4).choices[0].text
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.7)

@@ -278,6 +278,10 @@ class TokenDecoder(Decoder):
     """
 
     api = ">=1.17,<2"  # TokenDecoder
+    picks_most_likely: ClassVar[bool] = False
+    """Whether every token chosen is the most likely one (greedy decoding; API 1.21): a request's
+    ``temperature: 0``, which asks for exactly that, is then accepted though the decoder has no
+    temperature option (evaluation clients send it)."""
 
     def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
         """logits (B, V) float32 of one step → the next token ids (B,) int64, row b chosen with

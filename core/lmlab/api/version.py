@@ -219,7 +219,10 @@ and raise the bound when the plugin starts to use a newer one.
      assistant), which ``lmlab prepare`` writes out with the tokenizer's chat template, or with the
      source's own (``DataSource.conversation_template``), scoring the assistant's turns. Adapters out:
      ``Peft.adapter_export(model)`` (the adapter as Hugging Face's peft saves it, for ``lmlab export
-     --format peft``); ``gguf`` joins the export formats.
+     --format peft``); ``gguf`` joins the export formats. Evaluation: ``Tracker.amend(run_dir, values)``
+     (task scores added to a finished run's record), ``RunSettings.eval`` with ``EvalOptions`` (the
+     ``[eval]`` table), ``TokenDecoder.picks_most_likely`` (a greedy decoder: ``lmlab serve`` accepts
+     ``temperature: 0`` for it).
 """
 
 API_VERSION = "1.21"

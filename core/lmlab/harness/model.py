@@ -29,7 +29,7 @@ from lmlab.errors import UserError
 class LmlabLM(TemplateLM):
     """An lmlab run scored by lm-eval. ``run``: a loaded run (:func:`lmlab.trained.load_run`) or its folder."""
 
-    def __init__(self, run=None, batch_size: int | str = 8, **_ignored):
+    def __init__(self, run=None, batch_size: int | str = 8, max_length: int | str | None = None, **_ignored):
         super().__init__()
         from lmlab.trained import load_run, refuse_bidirectional
 
@@ -40,7 +40,9 @@ class LmlabLM(TemplateLM):
         self.model = self.run.model.eval()
         self.tokenizer_ = self.run.tokenizer
         self.batch_size = int(batch_size)
-        self.max_length = self.model.max_context if self.model.max_context is not None else self.model.block_size
+        context = self.model.max_context if self.model.max_context is not None else self.model.block_size
+        # Tokens scored in one window (the model's context; fewer when asked, as lm-eval's max_length).
+        self.max_length = min(int(max_length), context) if max_length else context
         self._device = next(self.model.parameters()).device
 
     @classmethod

@@ -37,7 +37,8 @@ def check_tasks(manager, tasks: list[str], key: str = "--tasks") -> None:
 
 
 def evaluate(run, tasks: list[str], *, num_fewshot: int | None = None, limit: int | None = None,
-             include_path: Path | None = None, batch_size: int = 8, chat: bool = False) -> dict:
+             include_path: Path | None = None, batch_size: int = 8, chat: bool = False,
+             max_length: int | None = None) -> dict:
     """lm-eval's results of ``tasks`` on ``run`` (a loaded run)."""
     import lm_eval
 
@@ -45,7 +46,7 @@ def evaluate(run, tasks: list[str], *, num_fewshot: int | None = None, limit: in
 
     manager = task_manager(include_path)
     check_tasks(manager, tasks)
-    model = LmlabLM(run=run, batch_size=batch_size)
+    model = LmlabLM(run=run, batch_size=batch_size, max_length=max_length)
     try:
         return lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                        task_manager=manager, apply_chat_template=chat, log_samples=True,

@@ -98,14 +98,12 @@ def _routes(service, scheduler_thread: bool) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse(CompletionRequest, await _read_body(request, body_limit))
-        job = service.completion_job(body)
-        return await _respond(service, job, body, request, chat=False)
+        return await _respond(service, service.completion_jobs(body), body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse(ChatRequest, await _read_body(request, body_limit))
-        job = service.chat_job(body)
-        return await _respond(service, job, body, request, chat=True)
+        return await _respond(service, service.chat_jobs(body), body, request, chat=True)
 
     return app
 
@@ -151,37 +149,84 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(service, job: Job, body, request: Request, chat: bool):
+async def _respond(service, jobs: list[Job], body, request: Request, chat: bool):
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": service.model_id}
-    if body.stream:
-        return StreamingResponse(_stream(service, job, meta, chat, body.include_usage), media_type="text/event-stream",
+    if body.stream:  # one job: the protocol refuses a streamed request of several
+        return StreamingResponse(_stream(service, jobs[0], meta, chat, body.include_usage),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finished = False
-    _submit(service, job)
+    waiting = set(range(len(jobs)))
+    for job in jobs:
+        _submit(service, job)
     try:
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(job.events.get(), timeout=1)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None  # nobody to answer; the finally gives the row back
-                continue
-            if kind == "done":
-                finished = True
-                break
-            if kind == "error":
-                raise ApiError(500, payload, type="server_error")
+        while waiting:
+            for i in list(waiting):
+                job = jobs[i]
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=1 / len(waiting))
+                except asyncio.TimeoutError:
+                    continue
+                if kind == "done":
+                    waiting.discard(i)
+                elif kind == "error":
+                    raise ApiError(500, payload, type="server_error")
+            if waiting and await request.is_disconnected():
+                return None  # nobody to answer; the finally gives the rows back
     finally:
-        if not finished:
-            service.scheduler.cancel(job)  # the handler was cancelled (client gone) or failed
-    c = job.completion
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                  "finish_reason": c.finish_reason}
-        return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(job)}
-    choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(job)}
+        for i in waiting:
+            service.scheduler.cancel(jobs[i])  # the handler was cancelled (client gone) or failed
+    tokenizer = service.tokenizer
+    choices = []
+    for index, job in enumerate(jobs):
+        c = job.completion
+        if chat:
+            logprobs = _chat_logprobs(tokenizer, job) if job.logprobs is not None else None
+            choices.append({"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
+        else:
+            prompt = tokenizer.decode(job.ids) if job.echo else ""
+            logprobs = _logprobs(tokenizer, job, prompt) if job.logprobs is not None else None
+            choices.append({"index": index, "text": prompt + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
+    usage = _usage(jobs)
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices, "usage": usage}
+
+
+def _piece(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _logprobs(tokenizer, job: Job, prompt: str) -> dict:
+    """The completions API's logprobs: per token its text, log-probability, the most likely tokens
+    and where it starts in the choice's text (the prompt's tokens first when echoed; the first of them
+    has no log-probability, nothing coming before it)."""
+    tokens, values, tops, offsets = [], [], [], []
+    at = 0
+    entries = []
+    if job.echo:
+        entries.append((job.ids[0], None, None))
+        entries += [(s.token, s.logprob, s.top) for s in job.prompt_scores] if job.prompt_scores else \
+            [(t, None, None) for t in job.ids[1:]]
+    entries += [(s.token, s.logprob, s.top) for s in job.scores]
+    for token, value, top in entries:
+        text = _piece(tokenizer, token)
+        tokens.append(text)
+        values.append(value)
+        tops.append(None if top is None else {_piece(tokenizer, t): v for t, v in top})
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, job: Job) -> dict:
+    """The chat API's logprobs: per new token its text, bytes, log-probability and the most likely ones."""
+    def entry(token: int, value: float) -> dict:
+        text = _piece(tokenizer, token)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, v) for t, v in s.top]}
+                        for s in job.scores], "refusal": None}
 
 
 def _submit(service, job: Job) -> None:
@@ -189,9 +234,12 @@ def _submit(service, job: Job) -> None:
     service.scheduler.submit(job)
 
 
-def _usage(job: Job) -> dict:
-    made = len(job.completion.tokens)
-    return {"prompt_tokens": len(job.ids), "completion_tokens": made, "total_tokens": len(job.ids) + made}
+def _usage(jobs: Job | list[Job]) -> dict:
+    """Tokens read and made: each prompt counted once however many copies completed it."""
+    jobs = [jobs] if isinstance(jobs, Job) else jobs
+    read = sum(len(j.ids) for j in {id(j.ids): j for j in jobs}.values())  # copies share their prompt's list
+    made = sum(len(j.completion.tokens) for j in jobs)
+    return {"prompt_tokens": read, "completion_tokens": made, "total_tokens": read + made}
 
 
 async def _stream(service, job: Job, meta: dict, chat: bool, include_usage: bool):

@@ -11,7 +11,8 @@ The options a request may set are the decoder's own (its ``Options`` less the en
 decoder shares, ``DecodingOptions``, which are the server's); a request that sets none decodes with
 the server's values (the run's ``[decoding]`` table and ``--set decoding.*``). A field that is not
 one of them is refused (400) naming it, except OpenAI's penalties and ``logit_bias`` at their
-neutral value and ``null``, which ask for nothing.
+neutral value and ``null``, which ask for nothing, and ``temperature: 0`` (greedy) for a decoder that
+always picks the most likely token (``TokenDecoder.picks_most_likely``).
 """
 
 from typing import Any
@@ -47,10 +48,11 @@ class RequestOptions:
     def __call__(self, given: dict[str, Any]):
         """The options for one request (the server's own object when it sets none), or an ApiError."""
         mine = {}
+        neutral = {**NEUTRAL, **({"temperature": 0} if getattr(self.decoder, "picks_most_likely", False) else {})}
         for name, value in given.items():
             if name in self.fields:
                 mine[name] = value
-            elif value is not None and not (name in NEUTRAL and _same(value, NEUTRAL[name])):
+            elif value is not None and not (name in neutral and _same(value, neutral[name])):
                 offered = ", ".join(self.fields) if self.fields else "none"
                 raise ApiError(400, f"unknown parameter {name!r}: this server decodes with {self.decoder.name!r} "
                                     f"(decoding.use), whose options a request may set are: {offered}",

@@ -1,8 +1,8 @@
 """The request bodies of ``/v1/completions`` and ``/v1/chat/completions``, and the OpenAI error object.
 
 Bodies are parsed strictly (a number given as a string is refused, as OpenAI does); fields OpenAI
-defines that this server does not implement are accepted at their neutral value (``logprobs: null``,
-``best_of: 1``...) and refused otherwise, rather than silently ignored. Every other top-level field
+defines that this server does not implement are accepted at their neutral value (``suffix: null``,
+``tools: null``...) and refused otherwise, rather than silently ignored. Every other top-level field
 (``temperature``, ``top_p``, ``min_p``, penalties...) is kept for the run's decoder
 (:mod:`lmlab.serve.decoding`): an option of its ``Options`` sets that option for the request, any
 other is refused naming it. ``seed`` gives the request a random generator of its own, so the same
@@ -13,7 +13,7 @@ Every refusal is an :class:`ApiError`, sent as ``{"error": {"message", "type", "
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -45,6 +45,8 @@ class StreamOptions(_Body):
 
 # torch.Generator.manual_seed's range
 SEEDS = (-(1 << 63), (1 << 64) - 1)
+MAX_N = 16  # completions per prompt
+MAX_TOP_LOGPROBS = 20  # the most likely tokens listed per position, as OpenAI's chat API allows
 
 
 class _Sampling(_Body):
@@ -63,11 +65,14 @@ class _Sampling(_Body):
     user: str | None = None  # accepted, ignored
 
     def check(self) -> None:
-        """Refuse values the types allow but the server does not (n = 1, a seed torch takes)."""
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.n is not None and self.n != 1:
-            raise ApiError(400, f"n must be 1 (one completion per request), got {self.n}", "n")
+        """Refuse values the types allow but the server does not (n past MAX_N, a seed torch takes)."""
+        least = 0 if self.scores_prompts else 1
+        if self.max_tokens is not None and self.max_tokens < least:
+            raise ApiError(400, f"max_tokens must be at least {least}, got {self.max_tokens}", "max_tokens")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n must be from 1 to {MAX_N}, got {self.n}", "n")
+        if self.stream and self.choices > 1:
+            raise ApiError(400, "a streamed request makes one completion (n = 1, one prompt)", "stream")
         if self.seed is not None and not SEEDS[0] <= self.seed <= SEEDS[1]:
             raise ApiError(400, f"seed must be a 64-bit integer, got {self.seed}", "seed")
         if self.stream_options is not None and not self.stream:
@@ -81,6 +86,14 @@ class _Sampling(_Body):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    #: Whether max_tokens = 0 is allowed (a completion that only scores its prompt, with echo).
+    scores_prompts: ClassVar[bool] = False
+
+    @property
+    def choices(self) -> int:
+        """How many completions the request asks for: n per prompt."""
+        return self.n or 1
+
     def decoder_fields(self) -> dict[str, Any]:
         """The fields left for the decoder: every one this class does not declare, as given."""
         return dict(self.model_extra or {})
@@ -91,9 +104,14 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: one prompt (a string, or a list holding one string)."""
+    """``POST /v1/completions``: a prompt (text or token ids) or a list of them, each completed ``n``
+    times; ``logprobs`` lists each token's log-probability and the most likely ones, ``echo`` puts the
+    prompt (with its tokens' log-probabilities) before the completion, so ``echo`` with ``max_tokens =
+    0`` scores a text, as evaluation clients (lm-eval's ``local-completions``) do."""
 
-    prompt: str | list[str]
+    scores_prompts: ClassVar[bool] = True
+
+    prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
     echo: bool | None = None
     logprobs: int | None = None
@@ -101,21 +119,28 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         super().check()
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ApiError(400, f"one prompt per request (a string, or a list of one string); got a list of "
-                                f"{len(self.prompt)}", "prompt")
-        if self.best_of not in (None, 1):
-            raise ApiError(400, "best_of must be 1", "best_of")
-        if self.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs is not supported", "logprobs")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ApiError(400, "prompt is an empty list", "prompt")
+        if self.stream and len(self.prompts()) > 1:
+            raise ApiError(400, "a streamed request makes one completion (n = 1, one prompt)", "stream")
+        if self.best_of not in (None, 1, self.choices):
+            raise ApiError(400, "best_of must equal n (every completion made is returned)", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}", "logprobs")
+        if self.stream and (self.logprobs is not None or self.echo):
+            raise ApiError(400, "logprobs and echo are given only without streaming", "stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens = 0 makes nothing: give echo = true to score the prompt", "max_tokens")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
 
-    @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or as token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
 
 
 class TextPart(_Body):
@@ -159,8 +184,14 @@ class ChatRequest(_Sampling):
         if self.messages[-1].role != "user":
             raise ApiError(400, f"the last message must be the user's (got {self.messages[-1].role!r}): the model "
                                 "answers the last user message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs is not supported", "logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs = true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ApiError(400, f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                               "top_logprobs")
+        if self.stream and self.logprobs:
+            raise ApiError(400, "logprobs are given only without streaming", "stream")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ApiError(400, "tools are not supported", "tools")
         if self.response_format not in (None, {"type": "text"}):

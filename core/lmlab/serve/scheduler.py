@@ -36,7 +36,7 @@ import torch
 from lmlab.api.decoding import TokenRows
 from lmlab.generation.engine import make_engine
 from lmlab.generation.kv import PagedKV
-from lmlab.generation.outputs import Outputs
+from lmlab.generation.outputs import Finish, Outputs
 
 IDLE_WAKE_S = 0.2  # how often an idle loop wakes (to notice Ctrl-C)
 _STOP = object()
@@ -61,10 +61,32 @@ class Job:
     last: int | None = None  # the token to feed next
     admitted_step: int | None = None  # decode steps run before it was admitted
     finished_step: int | None = None
+    logprobs: int | None = None  # list each token's log-probability and this many most likely; None: no
+    echo: bool = False  # score the prompt's tokens too (with logprobs)
+    prompt_scores: list = field(default_factory=list)  # per prompt token after the first: Score
+    scores: list = field(default_factory=list)  # per new token: Score
+    pending: object = None  # the last chosen token's Score, until the outputs keep the token
 
     @property
     def completion(self):
         return self.outputs.completions[0]
+
+
+@dataclass
+class Score:
+    """A token's log-probability under the model, and the most likely tokens there: [(id, log-probability)]."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[Score]:
+    """Score of each ``tokens[t]`` under ``logprobs[t]`` ((T, V) log-probabilities), with its ``k`` most likely."""
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return [Score(int(t), c, list(zip(i, v))) for t, c, i, v in
+            zip(tokens.tolist(), chosen, top_ids.tolist(), top_values.tolist())]
 
 
 @dataclass
@@ -219,7 +241,27 @@ class Scheduler:
         promised = sum(max(0, j.need - self.store.blocks_for(self.engine.length(j.row))) for j in self.live)
         return self.store.available() - promised
 
+    def _score_prompts(self, jobs: list[Job]) -> None:
+        """The echoed prompts' tokens scored in one forward pass of the model (no cache): each token's
+        log-probability given those before it."""
+        longest = max(len(j.ids) for j in jobs)
+        idx = torch.zeros(len(jobs), longest, dtype=torch.long, device=self.device)
+        for r, job in enumerate(jobs):
+            idx[r, :len(job.ids)] = torch.tensor(job.ids, device=self.device)
+        logprobs = torch.log_softmax(self.model(idx).float(), dim=-1)
+        for r, job in enumerate(jobs):
+            n = len(job.ids)
+            job.prompt_scores = scores(logprobs[r, :n - 1].cpu(), torch.tensor(job.ids[1:]), job.logprobs)
+
     def _admit(self) -> None:
+        scoring = [j for j in self.waiting if j.echo and j.logprobs is not None and not j.prompt_scores and len(j.ids) > 1]
+        if scoring:
+            self._score_prompts(scoring)
+        if any(j.max_tokens == 0 for j in self.waiting):  # scored, nothing to generate: answered now
+            for job in [j for j in self.waiting if j.max_tokens == 0]:
+                job.outputs.completions[0].finish_reason = Finish.LENGTH
+                self._finish(job)
+            self.waiting = deque(j for j in self.waiting if j.max_tokens != 0)
         new: list[Job] = []
         spare = self._blocks_free() if self.paged else 0
         while self.waiting and len(self.live) + len(new) < self.max_batch:
@@ -255,11 +297,21 @@ class Scheduler:
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
         generators = [self.generator if j.generator is None else j.generator for j in jobs]
         rows = TokenRows([j.options for j in jobs], generators, logits.device)
-        tokens = self.decoder.choose(logits.float(), rows).tolist()
+        chosen = self.decoder.choose(logits.float(), rows)
+        tokens = chosen.tolist()
+        wanted = [r for r, j in enumerate(jobs) if j.logprobs is not None]
+        if wanted:  # the model's own distribution, before the decoder's temperature or filters
+            logprobs = torch.log_softmax(logits[wanted].float(), dim=-1).cpu()
+            for r, score in zip(wanted, scores(logprobs, chosen[wanted].cpu(), max(jobs[r].logprobs for r in wanted))):
+                jobs[r].pending = score
         done = []
         for job, token in zip(jobs, tokens):
             out = job.outputs
+            before = len(out.completions[0].tokens)
             out.record(0, [token])
+            if job.logprobs is not None and len(out.completions[0].tokens) > before:
+                score = job.pending
+                job.scores.append(Score(score.token, score.logprob, score.top[:job.logprobs]))
             job.last = token
             self.stats.tokens += 1
             if job.stream and (text := out.delta(0)):

@@ -94,6 +94,19 @@ class Service:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_id!r} "
                                 "(GET /v1/models)", "model", "model_not_found")
 
+    def token_ids(self, ids: list[int], room: int = 1) -> list[int]:
+        """A prompt given as token ids, checked against the vocabulary and the context."""
+        if not ids:
+            raise ApiError(400, "a prompt of token ids holds none", "prompt", "invalid_prompt")
+        bad = next((i for i in ids if not 0 <= i < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is not in this model's vocabulary (0 to "
+                                f"{self.tokenizer.vocab_size - 1})", "prompt", "invalid_prompt")
+        if len(ids) + room > self.context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} tokens",
+                           "prompt", "context_length_exceeded")
+        return list(ids)
+
     def encode(self, text: str) -> list[int]:
         """The prompt's token ids (an empty prompt starts from the end-of-text token, as ``lmlab generate``)."""
         try:
@@ -110,13 +123,40 @@ class Service:
                            "prompt", "context_length_exceeded")
         return ids
 
-    def completion_job(self, request: CompletionRequest) -> Job:
+    def completion_jobs(self, request: CompletionRequest) -> list[Job]:
+        """One job per prompt and copy (``n``), in the order of the response's choices."""
         self.check_model(request.model)
         options = self.request_options(request.decoder_fields())
-        ids = self.encode(request.text)
-        # OpenAI's default of 16, cut to what the context leaves (a default cannot be refused)
-        max_tokens = request.max_tokens if request.max_tokens is not None else min(16, self.context - len(ids))
-        return self._job(ids, max_tokens, request, request.stops(), options)
+        jobs = []
+        for prompt in request.prompts():
+            room = 0 if request.max_tokens == 0 else 1
+            ids = self.encode(prompt) if isinstance(prompt, str) else self.token_ids(prompt, room)
+            # OpenAI's default of 16, cut to what the context leaves (a default cannot be refused)
+            max_tokens = request.max_tokens if request.max_tokens is not None else min(16, self.context - len(ids))
+            first = self._job(ids, max_tokens, request, request.stops(), options)
+            for job in self._copies(first, request):
+                job.logprobs, job.echo = request.logprobs, bool(request.echo)
+                jobs.append(job)
+        return jobs
+
+    def chat_jobs(self, request: ChatRequest) -> list[Job]:
+        """The conversation's job and its copies (``n``)."""
+        jobs = self._copies(self.chat_job(request), request)
+        for job in jobs:
+            job.logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return jobs
+
+    def _copies(self, job: Job, request) -> list[Job]:
+        """``job`` and n - 1 more of the same prompt, each with its own random stream (a seeded request's
+        k-th copy seeded with seed + k, so the whole response is reproducible)."""
+        out = [job]
+        for k in range(1, request.choices):
+            outputs = Outputs(self.tokenizer, [job.max_tokens], stop=[list(job.outputs.stops[0])],
+                              eos_id=self.tokenizer.eos_id)
+            seed = None if request.seed is None else request.seed + k
+            out.append(Job(ids=job.ids, max_tokens=job.max_tokens, options=job.options, outputs=outputs,
+                           stream=job.stream, generator=generator(seed, self.scheduler.device)))
+        return out
 
     def chat_job(self, request: ChatRequest) -> Job:
         self.check_model(request.model)

@@ -10,5 +10,7 @@ from lmlab.api import TokenDecoder, TokenRows
 
 
 class GreedyDecoder(TokenDecoder):
+    api = ">=1.21,<2"  # picks_most_likely; TokenDecoder (1.17)
+    picks_most_likely = True  # lmlab serve accepts temperature 0 from clients
     def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
         return logits.argmax(dim=-1)  # (B,)
