@@ -11,7 +11,8 @@ tokenizer, as the run was trained: with no beginning-of-text token added.
     from lmlab.harness.model import LmlabLM
     lm_eval.simple_evaluate(model=LmlabLM.from_run("runs/ft/default"), tasks=["shakespeare_next_line"])
 
-or ``lm_eval --model lmlab --model_args run=runs/ft/default`` once ``lmlab.harness.model`` is imported.
+or, once this module is imported (it registers the name), ``simple_evaluate(model="lmlab",
+model_args="run=runs/ft/default,batch_size=16", ...)``.
 """
 
 from pathlib import Path
