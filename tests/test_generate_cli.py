@@ -71,7 +71,37 @@ def test_speculative_decoding_with_the_run_as_its_own_draft_gives_the_greedy_tex
     greedy = capsys.readouterr().out
     assert main(generate(trained_run, "--prompt", "ROMEO:", "--set", "decoding.use=speculative",
                          "--set", f"decoding.draft={trained_run}")) == 0
-    assert capsys.readouterr().out == greedy
+    out, err = capsys.readouterr()
+    assert out == greedy
+    # The acceptance rate is printed with the speed: its own draft proposes what it accepts.
+    assert "100% of" in err and "drafted tokens accepted" in err
+
+
+def new_tokens(err: str) -> int:
+    return int(err.strip().splitlines()[-1].split(" new tokens")[0])
+
+
+def test_a_stop_string_ends_speculative_decodings_count_where_greedys_ends(trained_run, capsys):
+    """Tokens a speculative round drafted past the stop string are not counted (issue 40: 13/7/14
+    against greedy's 12/5/11), so its tokens/s is not inflated."""
+    assert main(generate(trained_run, "--prompt", "ROMEO:")) == 0
+    full = capsys.readouterr().out[len("ROMEO:"):-1]
+    stop = full[6:8]
+    counts = {}
+    for use, extra in (("greedy", []), ("speculative", ["--set", f"decoding.draft={trained_run}"])):
+        assert main(generate(trained_run, "--prompt", "ROMEO:", "--stop", stop, "--set", f"decoding.use={use}",
+                             *extra)) == 0
+        out, err = capsys.readouterr()
+        assert out == "ROMEO:" + full[:full.index(stop)] + "\n"
+        counts[use] = new_tokens(err)
+    assert counts["speculative"] == counts["greedy"]
+
+
+def test_a_static_step_setting_that_cannot_act_is_said_to_be_ignored(trained_run, capsys):
+    assert main(generate(trained_run, "--prompt", "O", "--set", "decoding.cuda_graph=true")) == 0
+    assert "lmlab: warning: decoding.cuda_graph: ignored on the cpu" in capsys.readouterr().err
+    assert main(generate(trained_run, "--prompt", "O", "--set", "decoding.compile=true", "--cache", "paged")) == 0
+    assert "lmlab: warning: decoding.compile: ignored with the paged cache" in capsys.readouterr().err
 
 
 def test_beam_candidates_end_at_the_stop_string_as_the_answer_does():
@@ -90,3 +120,17 @@ def test_beam_candidates_end_at_the_stop_string_as_the_answer_does():
     offered = [([1, 14, 4, 0, 20, 8, 5], -1.0), ([1, 14, 4, 0, 20, 8, 5, 14], -2.0), ([1, 14, 0, 15, 24, 26, 25, 25], -3.0)]
     outputs.offer(0, offered)
     assert outputs.candidate_texts(0) == [("and", -1.0), ("and", -2.0), ("an ox", -3.0)]
+
+
+def test_the_ngram_ban_and_repetition_penalty_reach_the_decoder_through_the_core(trained_run, capsys):
+    """The 6-step model loops on one character; banning repeated bigrams (or penalising repeats) breaks
+    the loop, which the decoder can only do with the history the core's decoding loop keeps."""
+    assert main(generate(trained_run, "--prompt", "ROMEO:")) == 0
+    plain = capsys.readouterr().out[len("ROMEO:"):-1]
+    bigrams = lambda text: [text[i:i + 2] for i in range(len(text) - 1)]  # noqa: E731
+    assert len(set(bigrams(plain))) < len(bigrams(plain))  # it repeats itself
+    assert main(generate(trained_run, "--prompt", "ROMEO:", "--set", "decoding.no_repeat_ngram_size=2")) == 0
+    banned = capsys.readouterr().out[:-1]  # the prompt's bigrams count too
+    assert len(set(bigrams(banned))) == len(bigrams(banned))
+    assert main(generate(trained_run, "--prompt", "ROMEO:", "--set", "decoding.repetition_penalty=3.0")) == 0
+    assert capsys.readouterr().out[len("ROMEO:"):-1] != plain

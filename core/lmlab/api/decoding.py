@@ -7,7 +7,7 @@ a subclass may use and override), and
 [engine_supports_rows][lmlab.api.decoding.engine_supports_rows] says whether a model can decode through it.
 """
 
-from typing import Any, ClassVar, Iterator, Literal, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Literal, Protocol, Sequence
 
 import torch
 from pydantic import model_validator
@@ -138,6 +138,11 @@ class Decoder(Plugin):
     [prepare][lmlab.api.decoding.Decoder.prepare], after checking they share the target's
     tokenizer (API 1.8)."""
 
+    def report(self) -> str | None:
+        """A few words on how the last decoding went (API 1.21), which ``lmlab generate`` prints with
+        its speed: a speculative decoder's acceptance rate. Default None."""
+        return None
+
     def rows_per_prompt(self) -> int:
         """Engine rows one prompt may hold at once (beam search: its width); the core sizes the
         engine by it (API 1.8). Default 1."""
@@ -218,14 +223,27 @@ class TokenRows:
         generators: One random generator per row (the same object may repeat), or None for torch's
             global one.
         device: Where the step's logits are.
+        history: A function giving each row's tokens so far (prompt, then what was chosen), asked only
+            when a decoder reads [history][lmlab.api.decoding.TokenRows.history] (API 1.21); None
+            where no history is kept (a conformance check's single step).
     """
 
     def __init__(self, options: Sequence[Any], generators: Sequence[torch.Generator | None],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", history: Callable[[], list[list[int]]] | None = None):
         if len(options) != len(generators):
             raise ValueError(f"{len(options)} rows of options for {len(generators)} generators")
         self.options, self.generators, self.device = list(options), list(generators), torch.device(device)
         self._values: dict[tuple, torch.Tensor] = {}
+        self._history_of = history
+        self._history: list[list[int]] | None = None
+
+    @property
+    def history(self) -> list[list[int]] | None:
+        """Each row's tokens so far, prompt included (API 1.21), for penalties that look back
+        (repetition, n-grams); None when the caller keeps none. Built on first use."""
+        if self._history is None and self._history_of is not None:
+            self._history = [list(h) for h in self._history_of()]
+        return self._history
 
     def __len__(self) -> int:
         """The rows B."""
@@ -244,7 +262,8 @@ class TokenRows:
 
     def select(self, index: Sequence[int]) -> "TokenRows":
         """The rows at ``index``, in that order (e.g. those a decoder samples rather than picks)."""
-        return TokenRows([self.options[i] for i in index], [self.generators[i] for i in index], self.device)
+        history = None if self._history_of is None else (lambda: [self.history[i] for i in index])
+        return TokenRows([self.options[i] for i in index], [self.generators[i] for i in index], self.device, history)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token id per row drawn from probs (B, V) (rows sum to 1), each row from its own
@@ -298,10 +317,15 @@ class TokenDecoder(Decoder):
         batch and its row is released at once, so the others' steps get cheaper."""
         rows, logits = engine.add(prompts)
         live = list(range(len(prompts)))  # prompt indices, in the order of logits' rows
+        seen = [list(p) for p in prompts]  # each prompt's tokens so far, for decoders that look back
         while True:
-            step = TokenRows([self.options] * len(live), [generator] * len(live), logits.device)
+            step = TokenRows([self.options] * len(live), [generator] * len(live), logits.device,
+                             lambda live=live: [seen[i] for i in live])
             tokens = self.choose(logits, step)  # (B,)
-            yield {i: [t] for i, t in zip(live, tokens.tolist())}
+            chosen = tokens.tolist()
+            for i, t in zip(live, chosen):
+                seen[i].append(t)
+            yield {i: [t] for i, t in zip(live, chosen)}
             keep = [j for j, i in enumerate(live) if not outputs.done(i)]
             if len(keep) < len(live):
                 engine.release([rows[i] for j, i in enumerate(live) if outputs.done(i)])

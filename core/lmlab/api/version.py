@@ -222,7 +222,10 @@ and raise the bound when the plugin starts to use a newer one.
      --format peft``); ``gguf`` joins the export formats. Evaluation: ``Tracker.amend(run_dir, values)``
      (task scores added to a finished run's record), ``RunSettings.eval`` with ``EvalOptions`` (the
      ``[eval]`` table), ``TokenDecoder.picks_most_likely`` (a greedy decoder: ``lmlab serve`` accepts
-     ``temperature: 0`` for it).
+     ``temperature: 0`` for it). Decoding: ``TokenRows.history`` (each row's tokens so far, for
+     penalties that look back: lmlab-decoding's ``repetition_penalty`` and ``no_repeat_ngram_size``),
+     ``Decoder.report()`` (what ``lmlab generate`` prints of how decoding went: a speculative
+     decoder's acceptance rate).
 """
 
 API_VERSION = "1.21"

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from lmlab.errors import UserError
+from lmlab.errors import UserError, warn
 
 
 def add_arguments(parser) -> None:
@@ -105,6 +105,9 @@ def main(args) -> int:
     prepare_decoder(decoder, run)
     cache = args.cache or getattr(decoder.options, "cache", "contiguous")
     block_size = getattr(decoder.options, "block_size", 16)
+    graphed = getattr(decoder.options, "cuda_graph", False)
+    compiled = getattr(decoder.options, "compile", False)
+    _say_ignored(graphed, compiled, cache, next(run.model.parameters()).device.type)
     show = None  # a batch is written as JSON lines at the end: no text to decode per step
     if args.prompts is None:
         sys.stdout.write(prompts[0])
@@ -116,8 +119,7 @@ def main(args) -> int:
 
     result = generate_texts(run.model, run.tokenizer, decoder, prompts, args.max_new_tokens, stop=args.stop,
                             seed=args.seed, cache=cache, block_size=block_size,
-                            cuda_graph=getattr(decoder.options, "cuda_graph", False),
-                            compile=getattr(decoder.options, "compile", False), on_text=show)
+                            cuda_graph=graphed, compile=compiled, on_text=show)
     if args.prompts is None:
         sys.stdout.write("\n")
         for text, score in result.outputs.candidate_texts(0)[1:]:
@@ -131,9 +133,21 @@ def main(args) -> int:
             print(json.dumps(line, ensure_ascii=False))
     sys.stdout.flush()
     how = result.note or f"{cache} cache"  # a model's own engine says what stands for the cache
+    said = decoder.report()  # a speculative decoder's acceptance rate
     print(f"{result.tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} tokens/s "
-          f"({len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {decoder.name}, {how})", file=sys.stderr)
+          f"({len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {decoder.name}, {how}"
+          f"{'; ' + said if said else ''})", file=sys.stderr)
     return 0
+
+
+def _say_ignored(graphed: bool, compiled: bool, cache: str, device: str) -> None:
+    """The static one-token step (a CUDA graph, or torch.compile) runs over the contiguous cache, and a
+    graph only on CUDA: a setting that cannot act says so instead of being dropped in silence."""
+    if graphed and device != "cuda":
+        warn(f"decoding.cuda_graph: ignored on the {device} (a CUDA graph needs a CUDA device)")
+    elif (graphed or compiled) and cache == "paged":
+        warn(f"decoding.{'cuda_graph' if graphed else 'compile'}: ignored with the paged cache (the static step "
+             "runs over the contiguous cache: --cache contiguous)")
 
 
 def chat(args) -> int:

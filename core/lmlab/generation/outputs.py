@@ -82,6 +82,7 @@ class Outputs:
         c = self.completions[i]
         if c.finish_reason is not None:
             return
+        before = len(c.tokens)
         for token in tokens:
             if self.eos_id is not None and token == self.eos_id:
                 c.finish_reason = Finish.STOP
@@ -94,6 +95,12 @@ class Outputs:
             c.text, stopped = self._cut(i, self._decode(c.tokens))
             if stopped:
                 c.finish_reason = Finish.STOP
+                # A decoder that yields several tokens at once (speculative) may pass the stop string:
+                # keep the tokens up to the one that completed it, as one token at a time would.
+                for n in range(before + 1, len(c.tokens)):
+                    if self._cut(i, self._decode(c.tokens[:n]))[1]:
+                        del c.tokens[n:]
+                        break
         elif c.finish_reason is not None:
             c.text = self._decode(c.tokens)
 

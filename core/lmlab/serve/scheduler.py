@@ -296,7 +296,8 @@ class Scheduler:
 
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
         generators = [self.generator if j.generator is None else j.generator for j in jobs]
-        rows = TokenRows([j.options for j in jobs], generators, logits.device)
+        rows = TokenRows([j.options for j in jobs], generators, logits.device,
+                         lambda: [j.ids + j.outputs.completions[0].tokens for j in jobs])
         chosen = self.decoder.choose(logits.float(), rows)
         tokens = chosen.tolist()
         wanted = [r for r, j in enumerate(jobs) if j.logprobs is not None]

@@ -9,15 +9,17 @@ https://arxiv.org/abs/1904.09751). With both, top-k applies first, as in nanoGPT
 The kept tokens are renormalised by the softmax.
 
 Every row of a step has its own temperature, top-k and top-p (``lmlab serve``: one request a row),
-applied in one pass over the batch.
+applied in one pass over the batch, after the repetition penalty and n-gram ban
+(:mod:`lmlab_decoding.penalties`).
 """
 
 import torch
 
-from lmlab.api import DecodingOptions, Field, TokenDecoder, TokenRows
+from lmlab.api import Field, TokenDecoder, TokenRows
+from lmlab_decoding.penalties import PenaltyOptions, penalize
 
 
-class SampleOptions(DecodingOptions):
+class SampleOptions(PenaltyOptions):
     temperature: float = Field(1.0, ge=0, help="divides the logits; < 1 sharpens, > 1 flattens, 0 is greedy")
     top_k: int | None = Field(None, ge=1, help="sample among the k most likely tokens only (unset: all)")
     top_p: float | None = Field(None, ge=0, le=1, help="sample within the smallest set of mass >= top_p (unset: all; "
@@ -62,16 +64,20 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
 
 
 class SamplingDecoder(TokenDecoder):
+    api = ">=1.21,<2"  # TokenRows.history (the penalties); TokenDecoder (1.17)
     Options = SampleOptions
 
     def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+        return self._draw(penalize(logits, rows), rows)
+
+    def _draw(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
         temperature = rows.values("temperature")
         hot = temperature > 0
         if not bool(hot.all()):  # temperature 0: the most likely token, no draw
             chosen = logits.argmax(dim=-1)
             index = hot.nonzero().squeeze(1)
             if index.numel():
-                chosen[index] = self.choose(logits.index_select(0, index), rows.select(index.tolist()))
+                chosen[index] = self._draw(logits.index_select(0, index), rows.select(index.tolist()))
             return chosen
         V = logits.shape[-1]
         probs = filter_rows(logits, temperature, rows.values("top_k", V, torch.long),

@@ -44,7 +44,7 @@ class SpeculativeOptions(DecodingOptions):
 
 
 class SpeculativeDecoder(Decoder):
-    api = ">=1.8,<2"  # Decoder.decode over an Engine, needs_runs
+    api = ">=1.21,<2"  # report; Decoder.decode over an Engine, needs_runs (1.8)
     Options = SpeculativeOptions
     needs_runs = ("draft",)
 
@@ -62,6 +62,10 @@ class SpeculativeDecoder(Decoder):
         """Accepted / proposed draft tokens so far (``stats``); None when none was proposed."""
         proposed = self.stats["proposed"]
         return self.stats["accepted"] / proposed if proposed else None
+
+    def report(self) -> str | None:
+        rate = self.acceptance_rate
+        return None if rate is None else f"{rate:.0%} of {self.stats['proposed']} drafted tokens accepted"
 
     # -- distributions -------------------------------------------------------------------------------
 
