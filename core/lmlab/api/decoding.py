@@ -139,8 +139,7 @@ class Decoder(Plugin):
     tokenizer (API 1.8)."""
 
     def report(self) -> str | None:
-        """A few words on how the last decoding went (API 1.21), which ``lmlab generate`` prints with
-        its speed: a speculative decoder's acceptance rate. Default None."""
+        """A few words ``lmlab generate`` prints with its speed (API 1.21): an acceptance rate."""
         return None
 
     def rows_per_prompt(self) -> int:
@@ -223,9 +222,8 @@ class TokenRows:
         generators: One random generator per row (the same object may repeat), or None for torch's
             global one.
         device: Where the step's logits are.
-        history: A function giving each row's tokens so far (prompt, then what was chosen), asked only
-            when a decoder reads [history][lmlab.api.decoding.TokenRows.history] (API 1.21); None
-            where no history is kept (a conformance check's single step).
+        history: A function giving each row's tokens so far, called when a decoder first reads
+            [history][lmlab.api.decoding.TokenRows.history] (API 1.21); None: no history kept.
     """
 
     def __init__(self, options: Sequence[Any], generators: Sequence[torch.Generator | None],
@@ -239,8 +237,7 @@ class TokenRows:
 
     @property
     def history(self) -> list[list[int]] | None:
-        """Each row's tokens so far, prompt included (API 1.21), for penalties that look back
-        (repetition, n-grams); None when the caller keeps none. Built on first use."""
+        """Each row's tokens so far, prompt included (API 1.21; None when none are kept)."""
         if self._history is None and self._history_of is not None:
             self._history = [list(h) for h in self._history_of()]
         return self._history
@@ -298,9 +295,8 @@ class TokenDecoder(Decoder):
 
     api = ">=1.17,<2"  # TokenDecoder
     picks_most_likely: ClassVar[bool] = False
-    """Whether every token chosen is the most likely one (greedy decoding; API 1.21): a request's
-    ``temperature: 0``, which asks for exactly that, is then accepted though the decoder has no
-    temperature option (evaluation clients send it)."""
+    """Every token chosen is the most likely one (API 1.21): ``lmlab serve`` then accepts a request's
+    ``temperature: 0`` (what evaluation clients send), though the decoder has no such option."""
 
     def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
         """logits (B, V) float32 of one step → the next token ids (B,) int64, row b chosen with
