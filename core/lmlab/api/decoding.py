@@ -300,17 +300,14 @@ class TokenDecoder(Decoder):
 
     def choose(self, logits: torch.Tensor, rows: TokenRows) -> torch.Tensor:
         """logits (B, V) float32 of one step → the next token ids (B,) int64, row b chosen with
-        ``rows.options[b]`` and drawing only from ``rows.generators[b]`` (use
-        [TokenRows.sample][lmlab.api.decoding.TokenRows.sample] and
-        [TokenRows.values][lmlab.api.decoding.TokenRows.values]; never a Python loop over rows).
-        Called under ``torch.no_grad()``."""
+        ``rows.options[b]``, drawing only from ``rows.generators[b]`` (``rows.sample``, ``rows.values``;
+        never a Python loop over rows). Called under ``torch.no_grad()``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement choose")
 
     def decode(self, engine: Engine, prompts: list[list[int]], outputs: Outputs,
                generator: torch.Generator | None = None) -> Iterator[dict[int, list[int]]]:
-        """Every prompt gets a row; each step feeds one token per unfinished row and chooses the
-        next from its logits. A finished prompt (EOS, a stop string, its token limit) leaves the
-        batch and its row is released at once, so the others' steps get cheaper."""
+        """Every prompt gets a row; each step feeds one token per unfinished row and chooses the next from its
+        logits. A finished prompt (EOS, a stop string, its limit) leaves the batch, its row released at once."""
         rows, logits = engine.add(prompts)
         live = list(range(len(prompts)))  # prompt indices, in the order of logits' rows
         seen = [list(p) for p in prompts]  # each prompt's tokens so far, for decoders that look back
