@@ -206,10 +206,10 @@ use = "adamw"
 lr = 3e-3
 weight_decay = 0.0
 [train]
-max_steps = 12
+max_steps = 8
 batch_size = 4
 warmup_steps = 0
-eval_every = 12
+eval_every = 8
 eval_steps = 1
 sample_tokens = 0
 [tracker]
@@ -227,11 +227,11 @@ use = "none"
 def test_smollm2_scores_on_the_shipped_tasks(smol_run, capsys):
     """The real-model path of lm-eval: SmolLM2 read from its GGUF file, scored on lmlab's own tasks."""
     pytest.importorskip("lm_eval")
-    assert main(["eval", str(smol_run), "--tasks", "shakespeare_next_line,shakespeare_ppl", "--limit", "60",
+    assert main(["eval", str(smol_run), "--tasks", "shakespeare_next_line,shakespeare_ppl", "--limit", "40",
                  "--batch-size", "16"]) == 0
     print(capsys.readouterr().out)
     scores = json.loads((smol_run / "summary.json").read_text())["eval"]
     print(scores)
-    # Four choices: chance is 0.25. Unnormalised accuracy favours short lines; per-byte it is 0.50 here.
+    # Four choices: chance is 0.25. Unnormalised accuracy favours short lines; per-byte it is 0.475 here.
     assert scores["shakespeare_next_line"]["acc_norm"] > 0.35
     assert scores["shakespeare_ppl"]["bits_per_byte"] < 2.0

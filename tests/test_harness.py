@@ -144,16 +144,19 @@ def test_a_lora_run_scores_as_lm_evals_hf_model_with_the_exported_adapter(export
                 assert theirs["results"][task][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, key)
 
 
-def test_the_scores_reach_the_runs_wandb_record(tmp_path, monkeypatch):
+def test_the_scores_reach_the_runs_wandb_record(tmp_path):
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    # In subprocesses: W&B started in this process would leave its service's address in the environment,
+    # and every later `lmlab run` child would share that service (a killed run's id held there for good).
+    env = {"WANDB_MODE": "offline", "LMLAB_CACHE": str(tmp_path / "cache")}
     (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:20_000])
     manifest = tiny_toml("tiny.txt", steps=2, eval_every=2, checkpoint_every=2, sample_tokens=0)
     (tmp_path / "w.toml").write_text(manifest.replace('[tracker]\nuse = "none"', '[tracker]\nuse = "wandb"'))
-    assert main(["run", str(tmp_path / "w.toml"), "--out", str(tmp_path / "runs")]) == 0
+    assert run_cli("run", str(tmp_path / "w.toml"), "--out", str(tmp_path / "runs"), env=env).returncode == 0
     run_dir = tmp_path / "runs" / "default"
-    assert main(["eval", str(run_dir), "--tasks", "shakespeare_next_line", "--limit", "4",
-                 "--set", "tokenizer.unknown=skip"]) == 0  # a character 20 kB of text never showed
+    done = run_cli("eval", str(run_dir), "--tasks", "shakespeare_next_line", "--limit", "4",
+                   "--set", "tokenizer.unknown=skip", env=env)  # a character 20 kB of text never showed
+    assert done.returncode == 0, done.stderr[-2000:]
     acc = json.loads((run_dir / "summary.json").read_text())["eval"]["shakespeare_next_line"]["acc"]
     # The run reopened offline under its id (a second offline folder, which `wandb sync` merges into the
     # run), its summary record holding each score as key and JSON value.
