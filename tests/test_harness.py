@@ -14,30 +14,14 @@ import pytest
 from conftest import CORPUS, tiny_toml
 from lmlab.cli.main import main
 from support import hf_folder, refused, run_cli
+from test_export import FINE_TUNE as EXPORT_FINE_TUNE
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 
 TASKS = ["shakespeare_next_line", "shakespeare_ppl", "shakespeare_instructions"]
-FINE_TUNE = """
-name = "ft"
-[init]
-from = "{init}"
-[data]
-use = "text-file"
-path = "{data}"
-[model]
-block_size = 64
-[tracker]
-use = "none"
-[train]
-sample_tokens = 0
-max_steps = 3
-eval_every = 3
-batch_size = 4
-eval_steps = 1
-warmup_steps = 1
-"""
+# test_export's fine-tune of a tiny Llama folder, with the window its config allows.
+FINE_TUNE = EXPORT_FINE_TUNE.replace("block_size = 32", "block_size = 64")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,10 @@ FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 
 def write(path: Path, config: dict, state: dict[str, torch.Tensor], tokenizer, dtype: str) -> None:
     """``path`` written (atomically) as a GGUF file of the checkpoint and the run's ``tokenizer``."""
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("writing GGUF needs the gguf package: pip install 'lmlab[gguf]'", key="--format") from None
 
     kind = config["model_type"]
     if kind not in ARCHITECTURES:

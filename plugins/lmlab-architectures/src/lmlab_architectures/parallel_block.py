@@ -22,14 +22,19 @@ class ParallelBlock(Block):
     """x + dropout(mixer(norm x)) + dropout(ffn(norm x)), one norm; ``checkpointing = "ffn"`` recomputes
     the ffn branch, ``"attention"`` the mixer's, ``"full"`` the whole block."""
 
+    shared_norm = True  # one norm feeds both branches; False: the ffn's has its own (norm2)
+
     def __init__(self, shape: ModelShape, norm: str, norm_eps: float, attention, ffn, layer: int):
         super().__init__(shape, norm, norm_eps, attention, ffn, layer)
-        self.norm2 = nn.Identity()  # one norm feeds both branches
+        if self.shared_norm:
+            self.norm2 = nn.Identity()
 
     def reset_parameters(self, shape: ModelShape) -> None:
         self.attn.reset_parameters(shape)
         self.ffn.reset_parameters(shape)
         self.norm1.reset_parameters()
+        if not self.shared_norm:
+            self.norm2.reset_parameters()
 
     def forward(self, x, ctx, state=None):
         policy = self.checkpointing if self.training and torch.is_grad_enabled() else "none"
@@ -40,13 +45,17 @@ class ParallelBlock(Block):
             else self._mixer(h, ctx, state)
         if not self.has_ffn:
             return x + mixed
-        fed = checkpoint(self._ffn, h, use_reentrant=False) if policy == "ffn" else self._ffn(h)
+        g = self._ffn_input(x, h)
+        fed = checkpoint(self._ffn, g, use_reentrant=False) if policy == "ffn" else self._ffn(g)
         return x + mixed + fed
 
     def _both(self, x, ctx, state):
         h = self.norm1(x)
         out = x + self._mixer(h, ctx, state)
-        return out + self._ffn(h) if self.has_ffn else out
+        return out + self._ffn(self._ffn_input(x, h)) if self.has_ffn else out
+
+    def _ffn_input(self, x, h):
+        return h if self.shared_norm else self.norm2(x)
 
     def _mixer(self, h, ctx, state):
         return self.dropout(self.attn(h, ctx, state))
@@ -58,28 +67,7 @@ class ParallelBlock(Block):
 class TwoNormBlock(ParallelBlock):
     """x + mixer(norm1 x) + ffn(norm2 x): GPT-NeoX's parallel residual."""
 
-    def __init__(self, shape: ModelShape, norm: str, norm_eps: float, attention, ffn, layer: int):
-        Block.__init__(self, shape, norm, norm_eps, attention, ffn, layer)
-
-    def reset_parameters(self, shape: ModelShape) -> None:
-        super().reset_parameters(shape)
-        self.norm2.reset_parameters()
-
-    def forward(self, x, ctx, state=None):
-        policy = self.checkpointing if self.training and torch.is_grad_enabled() else "none"
-        if policy == "full":
-            return checkpoint(self._both, x, ctx, state, use_reentrant=False)
-        h = self.norm1(x)
-        mixed = checkpoint(self._mixer, h, ctx, state, use_reentrant=False) if policy == "attention" \
-            else self._mixer(h, ctx, state)
-        if not self.has_ffn:
-            return x + mixed
-        fed = checkpoint(self._ffn, self.norm2(x), use_reentrant=False) if policy == "ffn" else self._ffn(self.norm2(x))
-        return x + mixed + fed
-
-    def _both(self, x, ctx, state):
-        out = x + self._mixer(self.norm1(x), ctx, state)
-        return out + self._ffn(self.norm2(x)) if self.has_ffn else out
+    shared_norm = False
 
 
 class ParallelOptions(DecoderOptions):
