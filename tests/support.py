@@ -119,7 +119,8 @@ use = "none"
     return str(path)
 
 
-def hf_folder(root, text: str, tie: bool = False, shard: bool = False, chat_template: str | None = None):
+def hf_folder(root, text: str, tie: bool = False, shard: bool = False, chat_template: str | None = None,
+              positions: int = 64):
     """A tiny random LlamaForCausalLM saved by save_pretrained, with a byte-level BPE tokenizer trained
     here on ``text`` (what a user's downloaded model folder holds, at toy size); with ``chat_template``,
     the tokenizer has ChatML's <|im_start|> and <|im_end|> and that template."""
@@ -137,7 +138,7 @@ def hf_folder(root, text: str, tie: bool = False, shard: bool = False, chat_temp
         show_progress=False))
     model = random_llama(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions, rms_norm_eps=1e-6,
         bos_token_id=0, eos_token_id=1, tie_word_embeddings=tie)
     folder = root / "hf-llama"
     model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": "60KB"} if shard else {}))

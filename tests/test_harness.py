@@ -14,23 +14,26 @@ import pytest
 from conftest import CORPUS, tiny_toml
 from lmlab.cli.main import main
 from support import hf_folder, refused, run_cli
+from test_chat_data import CHATML
 from test_export import FINE_TUNE as EXPORT_FINE_TUNE
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 
 TASKS = ["shakespeare_next_line", "shakespeare_ppl", "shakespeare_instructions"]
-# test_export's fine-tune of a tiny Llama folder, with the window its config allows.
-FINE_TUNE = EXPORT_FINE_TUNE.replace("block_size = 32", "block_size = 64")
+# test_export's fine-tune of a tiny Llama folder, with the window its config allows (a chat question
+# with the task's 24 answer tokens needs more than 64).
+FINE_TUNE = EXPORT_FINE_TUNE.replace("block_size = 32", "block_size = 128")
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A Llama-shaped run fine-tuned from a Hugging Face folder, and the folder `lmlab export` makes of it."""
+    """A Llama-shaped run fine-tuned from a Hugging Face folder whose tokenizer has ChatML's template, and
+    the folder `lmlab export` makes of it."""
     root = tmp_path_factory.mktemp("harness")
     text = CORPUS.read_text()[:30_000]
     (root / "tiny.txt").write_text(text)
-    folder, _ = hf_folder(root, text)
+    folder, _ = hf_folder(root, text, chat_template=CHATML, positions=128)
     (root / "ft.toml").write_text(FINE_TUNE.format(init=folder, data=root / "tiny.txt"))
     assert main(["run", str(root / "ft.toml"), "--out", str(root / "runs")]) == 0
     run_dir = root / "runs" / "default"
@@ -220,3 +223,28 @@ def test_lm_evals_local_completions_against_lmlab_serve_scores_as_lmlab_eval(exp
     for a, b in zip(ours["samples"]["shakespeare_next_line"], theirs["samples"]["shakespeare_next_line"]):
         for x, y in zip(a["resps"], b["resps"]):
             assert float(x[0][0]) == pytest.approx(float(y[0][0]), abs=1e-4)
+
+
+def test_lm_evals_local_chat_completions_against_lmlab_serve_answers_as_lmlab_eval(exported):
+    """lm-eval's chat client sends each question as messages to `lmlab serve`'s chat route, which puts
+    them through the run's template and decodes greedily (temperature 0) up to the task's stop: the
+    answers are the ones `lmlab eval --apply-chat-template` gives."""
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    from lmlab.harness import scores
+    from lmlab.serve.service import Service
+    from lmlab.trained import load_run
+    from support import serving
+
+    run_dir, _ = exported
+    task = "shakespeare_instructions"
+    ours = scores.evaluate(load_run(run_dir), [task], limit=8, chat=True)
+    with serving(Service.from_run(run_dir, model_name="ft")) as url:
+        api = LocalChatCompletion(base_url=f"{url}/v1/chat/completions", model="ft", max_length=128)
+        theirs = lm_eval.simple_evaluate(model=api, tasks=[task], limit=8, task_manager=scores.task_manager(),
+                                         apply_chat_template=True, log_samples=True, bootstrap_iters=0)
+    ours_, theirs_ = ours["samples"][task], theirs["samples"][task]
+    assert [s["arguments"] for s in ours_][0][0][0] != theirs_[0]["arguments"][0][0]  # text against messages
+    assert [s["resps"] for s in ours_] == [s["resps"] for s in theirs_]
+    assert any(r[0][0] for s in ours_ for r in [s["resps"]])  # the answers are not all empty
+    assert theirs["results"][task]["exact_match,none"] == ours["results"][task]["exact_match,none"]

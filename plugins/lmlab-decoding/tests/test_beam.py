@@ -139,19 +139,49 @@ class _HFWrapper(torch.nn.Module):
         return self.model(input_ids=idx).logits
 
 
-@pytest.mark.parametrize("early_stopping", [True, False])
-def test_matches_hugging_face_beam_search(history_engine, recorder, run_decode, early_stopping):
+@pytest.fixture(scope="module")
+def tiny_gpt2():
     transformers = pytest.importorskip("transformers")
     transformers.utils.logging.set_verbosity_error()
-    V, eos, n = 12, 11, 7
+    V, eos = 12, 11
     config = transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=16, n_layer=1, n_head=2,
                                      initializer_range=0.3, eos_token_id=eos, pad_token_id=eos, bos_token_id=eos)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        hf = transformers.GPT2LMHeadModel(config).eval()
+        return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_matches_hugging_face_beam_search(history_engine, recorder, run_decode, tiny_gpt2, early_stopping):
+    settings = [(0.6, 2, 2), (1.0, 3, 3), (-0.5, 3, 2), (0.0, 4, 1), (2.0, 5, 3)]
+    check_against_hugging_face(history_engine, recorder, run_decode, tiny_gpt2, early_stopping,
+                               [(lp, width, n_best, {}) for lp, width, n_best in settings])
+
+
+def test_penalised_beams_match_hugging_face_beam_search(history_engine, recorder, run_decode, tiny_gpt2):
+    """The penalties act on each beam's log-probabilities with its prompt and tokens as history, as
+    transformers' logits processors do inside its beam search; without them the search repeats."""
+    settings = [(1.0, 3, 2, dict(repetition_penalty=1.5)), (0.6, 4, 2, dict(no_repeat_ngram_size=2)),
+                (1.0, 2, 2, dict(repetition_penalty=0.7, no_repeat_ngram_size=3))]
+    check_against_hugging_face(history_engine, recorder, run_decode, tiny_gpt2, False, settings)
+    model = _HFWrapper(tiny_gpt2, 12)
+    plain, banned = recorder([12]), recorder([12])  # no end-of-text: twelve tokens each
+    run_decode(beam(width=3), history_engine(model), [[7, 7]], plain)
+    run_decode(beam(width=3, no_repeat_ngram_size=2), history_engine(model), [[7, 7]], banned)
+    looped, clean = _bigrams([7, 7] + plain.tokens[0]), _bigrams([7, 7] + banned.tokens[0])
+    assert len(set(looped)) < len(looped)  # the plain search repeats a bigram
+    assert len(banned.tokens[0]) == 12 and len(set(clean)) == len(clean)
+
+
+def _bigrams(text: list[int]) -> list[tuple[int, int]]:
+    return [tuple(text[i:i + 2]) for i in range(len(text) - 1)]
+
+
+def check_against_hugging_face(history_engine, recorder, run_decode, hf, early_stopping, settings):
+    V, eos, n = 12, 11, 7
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8], [9, 9], [0, 3, 10]]
-    for lp, width, n_best in [(0.6, 2, 2), (1.0, 3, 3), (-0.5, 3, 2), (0.0, 4, 1), (2.0, 5, 3)]:
-        decoder = beam(width=width, n_best=n_best, length_penalty=lp, early_stopping=early_stopping)
+    for lp, width, n_best, penalties in settings:
+        decoder = beam(width=width, n_best=n_best, length_penalty=lp, early_stopping=early_stopping, **penalties)
         outputs = recorder([n] * len(prompts), eos_id=eos)
         run_decode(decoder, history_engine(_HFWrapper(hf, V)), prompts, outputs)
         for i, prompt in enumerate(prompts):
@@ -159,10 +189,10 @@ def test_matches_hugging_face_beam_search(history_engine, recorder, run_decode, 
                 ref = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n_best,
                                   length_penalty=lp, early_stopping=True if early_stopping else "never",
                                   max_new_tokens=n, do_sample=False, output_scores=True,
-                                  return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos)
+                                  return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos, **penalties)
             expected = [s[:s.index(eos)] if eos in s else s for s in ref.sequences[:, len(prompt):].tolist()]
             offered = outputs.offers[i]
-            assert [t for t, _ in offered] == expected, (lp, width, i)
+            assert [t for t, _ in offered] == expected, (lp, width, penalties, i)
             assert [s for _, s in offered] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
             assert outputs.tokens[i] == expected[0]
 

@@ -25,6 +25,10 @@ Face's exact ``early_stopping="never"``, not its heuristic ``False``). With no l
 too. Its best hypothesis is yielded at once, whole (beam search cannot stream: until a prompt is
 finished, any token of the best hypothesis may still change), and ``Outputs.offer`` receives the
 ``n_best`` best, each (tokens without the final end-of-text id, score).
+
+``repetition_penalty`` and ``no_repeat_ngram_size`` act on each beam's log-probabilities (its prompt
+and tokens so far as history) before they are added to its sum, where Hugging Face's beam search
+applies its logits processors, so a penalised search ranks and scores as transformers' does.
 """
 
 import math
@@ -33,10 +37,11 @@ from typing import Iterator
 import torch
 from pydantic import model_validator
 
-from lmlab.api import Decoder, DecodingOptions, Engine, Field, Outputs
+from lmlab.api import Decoder, Engine, Field, Outputs, TokenRows
+from lmlab_decoding.penalties import PenaltyOptions, penalize
 
 
-class BeamOptions(DecodingOptions):
+class BeamOptions(PenaltyOptions):
     width: int = Field(4, ge=1, help="beams (hypotheses kept) per prompt; 1 is greedy decoding")
     length_penalty: float = Field(0.6, help="a hypothesis scores sum(log p) / length ** length_penalty (length: "
                                             "generated tokens); > 0 favours longer ones, < 0 shorter")
@@ -69,7 +74,7 @@ class _Prompt:
 
 
 class BeamDecoder(Decoder):
-    api = ">=1.8,<2"  # Decoder.decode over an Engine
+    api = ">=1.21,<2"  # TokenRows.history (the penalties); Decoder.decode over an Engine (1.8)
     Options = BeamOptions
 
     def rows_per_prompt(self) -> int:
@@ -87,7 +92,7 @@ class BeamDecoder(Decoder):
         step = 0  # tokens every live beam holds
         while live:
             B = len(live[0].rows)  # beams per prompt: 1 at the first step, then width
-            log_probs = logits.double().log_softmax(dim=-1).view(len(live), B, V)
+            log_probs = self._penalized(logits.double().log_softmax(dim=-1), live, prompts).view(len(live), B, V)
             sums = torch.tensor([p.sums for p in live], dtype=torch.float64, device=log_probs.device)
             totals = (sums[:, :, None] + log_probs).view(len(live), B * V)
             K = min(2 * W, B * V)
@@ -123,6 +128,14 @@ class BeamDecoder(Decoder):
             tokens = torch.tensor(feed, dtype=torch.long, device=logits.device)[:, None]
             logits = engine.step(dst, tokens)[:, -1]
             step += 1
+
+    def _penalized(self, log_probs: torch.Tensor, live: list[_Prompt], prompts: list[list[int]]) -> torch.Tensor:
+        """log_probs (rows, V) with the repetition penalty and n-gram ban applied to each beam."""
+        o = self.options
+        if o.repetition_penalty == 1 and o.no_repeat_ngram_size == 0:
+            return log_probs
+        beams = [prompts[p.index] + seq for p in live for seq in p.seqs]
+        return penalize(log_probs, TokenRows([o] * len(beams), [None] * len(beams), history=lambda: beams))
 
     def _select(self, p: _Prompt, outputs: Outputs, sums: list[float], ids: list[int], totals: torch.Tensor,
                 step: int, V: int) -> list[tuple[int, int, float]]:
