@@ -3,13 +3,14 @@ script that the whole-process benchmarks start as a separate process.
 
 The quickstart's configuration (experiments/shakespeare-char.toml: 4 layers, d_model 128, 4 heads,
 block 64, batch 12, AdamW 1e-3, cosine to 1e-4, clip 1.0) on tinyshakespeare, characters as tokens.
-Prints ``step N`` after each optimizer step (flushed: a parent process timestamps the lines) and
-``done`` before it exits.
+Prints ``step N SECONDS`` after each optimizer step (flushed: a parent process timestamps the lines;
+SECONDS is the training time so far, as lmlab's ``elapsed_s``) and ``done`` before it exits.
 
     python bench/handwritten_train.py --steps 400 [--data PATH]
 """
 
 import argparse
+import time
 import sys
 from pathlib import Path
 
@@ -72,7 +73,9 @@ def main() -> None:
     index = {c: i for i, c in enumerate(chars)}
     ids = np.array([index[c] for c in text], dtype=np.uint16)
     train = ids[:int(0.9 * len(ids))]
-    loop = PlainLoop(train, len(chars), CONFIG, args.steps, report=lambda step: print(f"step {step}", flush=True))
+    start = time.perf_counter()
+    loop = PlainLoop(train, len(chars), CONFIG, args.steps,
+                     report=lambda step: print(f"step {step} {time.perf_counter() - start:.5f}", flush=True))
     loop.steps(args.steps)
     print("done", flush=True)
 

@@ -9,7 +9,9 @@ is printed next to a bare `python -c pass` baseline measured the same way.
 Then a 20-step training run of the quickstart model, as a whole process, three times each for
 `lmlab run` and `bench/handwritten_train.py` (medians): the wall time, the time to the first
 optimizer step and the time from the last step to exit (``bench/whole_process.py``), with the
-import times of torch and of Lightning shown separately (``python -c "import ..."``).
+import times of torch and of Lightning shown separately (``python -c "import ..."``), and what the
+heavy dependencies cost inside ``lmlab run`` itself (``python -X importtime``: each package's
+cumulative time at its first import, so a package imported by another is counted in both).
 
     python bench/startup.py
 """
@@ -45,6 +47,30 @@ def imports(argv: list[str]) -> str:
     return next(line for line in err.splitlines() if line.startswith("IMPORTED"))[len("IMPORTED "):]
 
 
+# Packages a training run may import, and the part of torch that only compiling needs.
+RUN_PACKAGES = ("torch", "torch._dynamo", "numpy", "lightning", "torchmetrics", "transformers", "scipy",
+                "matplotlib", "pydantic", "wandb", "peft", "deepspeed")
+
+
+def run_imports(steps: int = 20) -> dict[str, float]:
+    """Seconds each of RUN_PACKAGES took to import inside a ``steps``-step quickstart ``lmlab run``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = ["tracker.use=none", "train.sample_tokens=0", f"train.max_steps={steps}", f"train.eval_every={steps}",
+                "train.eval_steps=1", f"train.checkpoint_every={steps}"]
+        cmd = [sys.executable, "-X", "importtime", "-m", "lmlab", "run", str(ROOT / "experiments" / "shakespeare-char.toml"),
+               "--out", tmp, *[a for s in sets for a in ("--set", s)]]
+        err = subprocess.run(cmd, capture_output=True, text=True, check=True, env=whole_process.ENV).stderr
+    seconds = {}
+    for line in err.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            _, cumulative, name = line[len("import time:"):].split("|")
+            if name.strip() in RUN_PACKAGES:
+                seconds[name.strip()] = int(cumulative) / 1e6
+    return seconds
+
+
 def main() -> None:
     manifest = str(ROOT / "experiments" / "shakespeare-char.toml")
     baseline = timed([sys.executable, "-c", "pass"])
@@ -62,6 +88,10 @@ def main() -> None:
     torch_s, lightning_s = whole_process.import_time("torch"), whole_process.import_time("lightning.pytorch")
     print(f"  python -c 'import torch' {torch_s:.2f} s; 'import lightning.pytorch' {lightning_s:.2f} s "
           f"(Lightning's own share {lightning_s - torch_s:.2f} s)")
+    seconds = run_imports()
+    print("  imported inside lmlab run (python -X importtime; cumulative, nested packages counted in their "
+          "importer too): " + ", ".join(f"{name} {seconds[name]:.2f} s" for name in RUN_PACKAGES if name in seconds)
+          + "; not imported: " + (", ".join(name for name in RUN_PACKAGES if name not in seconds) or "none"))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ validation split, checkpoint and summary; the script has none). Steps are seen b
 5 ms, so the two step times are that precise.
 """
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,9 @@ class Timed:
     wall: float
     first_step: float
     after_last: float
+    # (step, seconds of training so far) as the process itself measured it: lmlab's metrics.jsonl
+    # elapsed_s at each logged step, the script's every step.
+    clock: list[tuple[int, float]] = field(default_factory=list)
 
 
 def lmlab(steps: int, log_every: int = 1) -> Timed:
@@ -52,12 +56,15 @@ def lmlab(steps: int, log_every: int = 1) -> Timed:
         end = time.perf_counter()
         if process.returncode:
             raise SystemExit(f"lmlab run failed ({process.returncode})")
-    return Timed(end - start, seen[0] - start, end - seen[-1])
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        clock = [(r["step"], r["elapsed_s"]) for r in records if "elapsed_s" in r]
+    return Timed(end - start, seen[0] - start, end - seen[-1], clock)
 
 
 def handwritten(steps: int) -> Timed:
     cmd = [sys.executable, str(ROOT / "bench" / "handwritten_train.py"), "--steps", str(steps)]
     seen: list[float] = []
+    clock: list[tuple[int, float]] = []
     start = time.perf_counter()
     process = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
@@ -65,6 +72,8 @@ def handwritten(steps: int) -> Timed:
         for line in process.stdout:
             if line.startswith("step "):
                 seen.append(time.perf_counter())
+                _, step, elapsed = line.split()
+                clock.append((int(step), float(elapsed)))
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -73,7 +82,7 @@ def handwritten(steps: int) -> Timed:
     reader.join()
     if process.returncode:
         raise SystemExit(f"handwritten_train.py failed ({process.returncode})")
-    return Timed(end - start, seen[0] - start, end - seen[-1])
+    return Timed(end - start, seen[0] - start, end - seen[-1], clock)
 
 
 def import_time(module: str, runs: int = 5) -> float:

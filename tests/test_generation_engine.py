@@ -225,7 +225,11 @@ def test_the_cuda_graph_decode_step_equals_the_eager_one():
 
 
 @pytest.mark.slow
-def test_the_compiled_decode_step_gives_the_eager_tokens():
+def test_the_compiled_decode_step_gives_the_eager_tokens(tmp_path, monkeypatch):
+    """... and its compilation is timed apart and cached in lmlab's cache folder (a later process
+    loads it from there)."""
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     model = model_with("rope", n_kv_heads=2)
     batch = prompts([3, 11, 6])
     from lmlab.generation.token_ids import run_decoder
@@ -238,7 +242,10 @@ def test_the_compiled_decode_step_gives_the_eager_tokens():
         for _ in run_decoder(greedy(), engine, batch, outputs):
             pass
         results.append([c.tokens for c in outputs.completions])
+        assert (engine.compile_s > 0) == compiled and (engine.report() is not None) == compiled
     assert results[0] == results[1]
+    assert "compiled in" in engine.report() and str(tmp_path / "torchinductor") in engine.report()
+    assert any((tmp_path / "torchinductor").rglob("*")), "nothing cached"
 
 
 class Chars:

@@ -148,6 +148,12 @@ def _say_ignored(graphed: bool, compiled: bool, cache: str, device: str) -> None
     elif (graphed or compiled) and cache == "paged":
         warn(f"decoding.{'cuda_graph' if graphed else 'compile'}: ignored with the paged cache (the static step "
              "runs over the contiguous cache: --cache contiguous)")
+    elif compiled and not (graphed and device == "cuda"):
+        # Said before it happens: a cold compile of the step takes tens of seconds on a CPU.
+        from lmlab.compile_cache import use_compile_cache
+
+        print(f"decoding.compile: compiling the one-token step at its first use (cached in {use_compile_cache()}; "
+              "its time is reported apart)", file=sys.stderr)
 
 
 def chat(args) -> int:

@@ -87,7 +87,8 @@ def generate_texts(model, tokenizer, decoder, prompts: list[str], max_new_tokens
                     on_text(i, text)
     finally:
         model.train(was_training)
-    seconds = time.perf_counter() - started
+    # A compiled step's first call compiles it: reported by the engine, not counted as decoding time.
+    seconds = time.perf_counter() - started - getattr(engine, "compile_s", 0.0)
     report = getattr(engine, "report", None)  # optional in the Engine protocol
     return Generation(outputs, seconds, sum(len(c.tokens) for c in outputs.completions),
                       report() if report is not None else None)

@@ -182,6 +182,16 @@ class Engine:
     def companion(self, model):
         return make_engine(model, **self.settings)
 
+    @property
+    def compile_s(self) -> float:
+        """Seconds the compiled step's first call took (compiling it, or loading it from torch's cache)."""
+        return (self.graphed.compile_s or 0.0) if self.graphed is not None and self.graphed.mode == "compile" else 0.0
+
+    def report(self) -> str | None:
+        if not self.compile_s:
+            return None
+        return f"contiguous cache, step compiled in {self.compile_s:.1f} s, not counted (cache: {self.graphed.cache_dir})"
+
     # -- internals -----------------------------------------------------------------------------------
 
     @property

@@ -36,6 +36,10 @@ class LMModule(L.LightningModule):
         # The training step runs the compiled model; evaluation and decoding run the eager one (their
         # shapes vary, and each new shape would cost a recompilation). Kept off the module registry
         # so parameter names and checkpoints stay those of the eager model.
+        if compile:  # compiled graphs cached where a later run finds them (lmlab.compile_cache)
+            from lmlab.compile_cache import use_compile_cache
+
+            use_compile_cache()
         object.__setattr__(self, "train_forward", torch.compile(model) if compile else model)
         self.objective = objective
         # Dispatched once: an objective that asks for Windows (labels, padding, randomness) gets them;

@@ -75,7 +75,7 @@ class RunRecorder(L.Callback):
         if trainer.is_global_zero:
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=self.resume_step)
         self._window_start, self._window_step = time.perf_counter(), trainer.global_step
-        self._batch_end = self._step_end = self._window_start
+        self._batch_end = self._step_end = self._train_start = self._window_start
         self._seen_step = trainer.global_step
         self._heartbeat = trainer.world_size > 1
         self._tmp_tag = trainer.strategy.broadcast(self._tmp_tag)
@@ -167,8 +167,10 @@ class RunRecorder(L.Callback):
                            "optimizer.lr, or set train.grad_clip)")
         if trainer.is_global_zero:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
+            # elapsed_s: this process's training time at the step (a slope over these is a step's
+            # cost free of start-up, which bench/train_speed.py reads).
             record = {"step": step, **({"train_loss": value} if value is not None else {}), "lr": lr,
-                      "tokens_per_s": tokens_per_s}
+                      "tokens_per_s": tokens_per_s, "elapsed_s": round(now - self._train_start, 5)}
             if skipped:  # a monitor left this step out (its loss was not finite): the weights did not change
                 record["skipped"] = True
             if pl_module.last_aux is not None:

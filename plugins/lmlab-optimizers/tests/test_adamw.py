@@ -35,21 +35,34 @@ def test_an_empty_group_is_omitted():
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.0
 
 
-def test_one_step_equals_torch_adamw_configured_by_hand():
-    ours, theirs = tiny_model(), tiny_model()
-    opt = adamw(lr=1e-2, betas=[0.8, 0.9], eps=1e-6, weight_decay=0.2).build(infos(ours))
-    decay = [p for i, p in zip(infos(theirs), theirs.parameters()) if i.decay]
-    rest = [p for i, p in zip(infos(theirs), theirs.parameters()) if not i.decay]
-    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.2}, {"params": rest, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.8, 0.9), eps=1e-6)
-    x = torch.randint(0, 10, (4, 3))
-    for model, optimizer in ((ours, opt), (theirs, ref)):
-        for _ in range(2):
-            optimizer.zero_grad()
-            model(x).square().mean().backward()
-            optimizer.step()
-    for a, b in zip(ours.parameters(), theirs.parameters()):
+def two_steps(model, optimizer):
+    x = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("implementation", [{}, {"fused": False}, {"foreach": True}])
+def test_two_steps_equal_torch_adamw_configured_by_hand(implementation):
+    """Unset, the update is torch's fused kernel (on the CPU torch would loop over the tensors);
+    either way it is torch's AdamW with the same groups."""
+    ours, theirs, plain = tiny_model(), tiny_model(), tiny_model()
+    opt = adamw(lr=1e-2, betas=[0.8, 0.9], eps=1e-6, weight_decay=0.2, **implementation).build(infos(ours))
+    assert opt.defaults["fused"] is (True if not implementation else None if "foreach" in implementation else False)
+
+    def reference(model, **kw):
+        decay = [p for i, p in zip(infos(model), model.parameters()) if i.decay]
+        rest = [p for i, p in zip(infos(model), model.parameters()) if not i.decay]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.2}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=1e-2, betas=(0.8, 0.9), eps=1e-6, **kw)
+
+    two_steps(ours, opt)
+    two_steps(theirs, reference(theirs, **({"fused": True} if not implementation else implementation)))
+    two_steps(plain, reference(plain))
+    for a, b, c in zip(ours.parameters(), theirs.parameters(), plain.parameters()):
         assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)  # the implementations agree to rounding
     assert not torch.equal(ours[1].weight, tiny_model()[1].weight)  # it did move
 
 
