@@ -14,7 +14,9 @@ else: what the kernels allow before any framework cost):
 - ``fp32``: the run as trained; ``bf16``: the same weights cast to bfloat16 (where the CPU has the
   instructions for bfloat16 matmuls, else it is listed as slow);
 - every other format is ``lmlab compress --use NAME`` of the run into a scratch folder, loaded back
-  as ``lmlab generate`` loads it.
+  as ``lmlab generate`` loads it. Its bytes are every tensor the loaded model holds, so a method that
+  keeps two copies of a weight (``rtn``: its portable codes and the CPU kernel's packed layout, of
+  which a step reads one) is counted with both, and its fraction of the bound is overstated.
 
     python bench/decode_bound.py RUN_DIR [--formats fp32,bf16,int8,rtn] [--new 64] [--rounds 3]
 """

@@ -119,3 +119,25 @@ def test_loss_scale_options_are_validated():
                 {"loss_scale_backoff": 0}):
         with pytest.raises(ValueError):
             TrainOptions(**bad)
+
+
+@pytest.mark.parametrize("algorithm", [None, "value"])
+def test_a_fused_optimizer_is_clipped_by_the_module_where_lightnings_mixed_precision_refuses(algorithm):
+    """AdamW runs fused by default; Lightning's mixed-precision plugins refuse to clip for an optimizer
+    that unscales in its step, so the module clips itself, as torch's own clipping would."""
+    from lmlab.train.module import LMModule
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    assert optimizer._step_supports_amp_scaling
+    model(torch.randn(3, 4)).pow(2).sum().mul(100).backward()
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for r, p in zip(reference, model.parameters()):
+        r.grad = p.grad.clone()
+    before = model.weight.grad.clone()
+    (torch.nn.utils.clip_grad_norm_ if algorithm is None else torch.nn.utils.clip_grad_value_)(reference, 0.5)
+    LMModule(model, None, None, None, None).configure_gradient_clipping(optimizer, 0.5, algorithm)
+    for p, r in zip(model.parameters(), reference):
+        assert torch.equal(p.grad, r.grad)
+    assert not torch.equal(model.weight.grad, before)  # the gradients were large enough to be clipped

@@ -182,6 +182,16 @@ class LMModule(L.LightningModule):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if self.parallel.clip_grad_norm(params, float(gradient_clip_val)) is not None:
                 return
+        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # A fused optimizer (AdamW's default on the CPU and CUDA) unscales inside its step, so
+            # Lightning's mixed-precision plugins refuse to clip for it; its gradients are unscaled
+            # by now (on_before_optimizer_step), and clipping them is the same arithmetic.
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if gradient_clip_algorithm in (None, "norm"):
+                torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
+            else:
+                torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
+            return
         self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
                             gradient_clip_algorithm=gradient_clip_algorithm)
 
@@ -229,6 +239,11 @@ class LMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # 16-mixed with a fused optimizer: Lightning leaves the unscaling to its step; done here,
+            # monitors and clipping see the true gradients, and the step (told so) skips it.
+            scaler.unscale_(optimizer)
         if not self.hooks.has("lmlab_before_optimizer_step"):
             return
         self._grad_norm = grad_norm(optimizer)
