@@ -226,8 +226,8 @@ def test_the_cuda_graph_decode_step_equals_the_eager_one():
 
 @pytest.mark.slow
 def test_the_compiled_decode_step_gives_the_eager_tokens(tmp_path, monkeypatch):
-    """... and its compilation is timed apart and cached in lmlab's cache folder (a later process
-    loads it from there)."""
+    """... and its compilation is timed apart and cached in lmlab's cache folder (where a later
+    process finds it)."""
     monkeypatch.setenv("LMLAB_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     model = model_with("rope", n_kv_heads=2)

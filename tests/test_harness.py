@@ -244,7 +244,7 @@ def test_lm_evals_local_chat_completions_against_lmlab_serve_answers_as_lmlab_ev
         theirs = lm_eval.simple_evaluate(model=api, tasks=[task], limit=8, task_manager=scores.task_manager(),
                                          apply_chat_template=True, log_samples=True, bootstrap_iters=0)
     ours_, theirs_ = ours["samples"][task], theirs["samples"][task]
-    assert [s["arguments"] for s in ours_][0][0][0] != theirs_[0]["arguments"][0][0]  # text against messages
+    assert ours_[0]["arguments"][0][0] != theirs_[0]["arguments"][0][0]  # rendered text against messages
     assert [s["resps"] for s in ours_] == [s["resps"] for s in theirs_]
-    assert any(r[0][0] for s in ours_ for r in [s["resps"]])  # the answers are not all empty
+    assert any(s["resps"][0][0] for s in ours_)  # the answers are not all empty
     assert theirs["results"][task]["exact_match,none"] == ours["results"][task]["exact_match,none"]

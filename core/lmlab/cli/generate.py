@@ -107,7 +107,7 @@ def main(args) -> int:
     block_size = getattr(decoder.options, "block_size", 16)
     graphed = getattr(decoder.options, "cuda_graph", False)
     compiled = getattr(decoder.options, "compile", False)
-    _say_ignored(graphed, compiled, cache, next(run.model.parameters()).device.type)
+    _say_about_static_step(graphed, compiled, cache, next(run.model.parameters()).device.type)
     show = None  # a batch is written as JSON lines at the end: no text to decode per step
     if args.prompts is None:
         sys.stdout.write(prompts[0])
@@ -140,9 +140,10 @@ def main(args) -> int:
     return 0
 
 
-def _say_ignored(graphed: bool, compiled: bool, cache: str, device: str) -> None:
+def _say_about_static_step(graphed: bool, compiled: bool, cache: str, device: str) -> None:
     """The static one-token step (a CUDA graph, or torch.compile) runs over the contiguous cache, and a
-    graph only on CUDA: a setting that cannot act says so instead of being dropped in silence."""
+    graph only on CUDA: a setting that cannot act says so instead of being dropped in silence, and a
+    compile that will happen says so before it costs its seconds."""
     if graphed and device != "cuda":
         warn(f"decoding.cuda_graph: ignored on the {device} (a CUDA graph needs a CUDA device)")
     elif (graphed or compiled) and cache == "paged":

@@ -185,7 +185,7 @@ class Engine:
     @property
     def compile_s(self) -> float:
         """Seconds the compiled step's first call took (compiling it, or loading it from torch's cache)."""
-        return (self.graphed.compile_s or 0.0) if self.graphed is not None and self.graphed.mode == "compile" else 0.0
+        return getattr(self.graphed, "compile_s", None) or 0.0
 
     def report(self) -> str | None:
         if not self.compile_s:

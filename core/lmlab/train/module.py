@@ -174,8 +174,7 @@ class LMModule(L.LightningModule):
         norm, self._grad_norm = self._grad_norm, None
         if gradient_clip_val and norm is not None and not self._parallelised:
             # The hooks had the norm computed already: clip with it rather than computing it again.
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, float(gradient_clip_val), norm)
+            torch.nn.utils.clip_grads_with_norm_(_with_grads(optimizer), float(gradient_clip_val), norm)
             return
         # A layout that spreads or shards the model computes the global norm itself.
         if gradient_clip_val and self.parallel is not None and gradient_clip_algorithm in (None, "norm"):
@@ -186,11 +185,9 @@ class LMModule(L.LightningModule):
             # A fused optimizer (AdamW's default on the CPU and CUDA) unscales inside its step, so
             # Lightning's mixed-precision plugins refuse to clip for it; its gradients are unscaled
             # by now (on_before_optimizer_step), and clipping them is the same arithmetic.
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            if gradient_clip_algorithm in (None, "norm"):
-                torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
-            else:
-                torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
+            clip = torch.nn.utils.clip_grad_norm_ if gradient_clip_algorithm in (None, "norm") \
+                else torch.nn.utils.clip_grad_value_
+            clip(_with_grads(optimizer), float(gradient_clip_val))
             return
         self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
                             gradient_clip_algorithm=gradient_clip_algorithm)
@@ -303,3 +300,8 @@ def grad_norm(optimizer) -> torch.Tensor | None:
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     full = getattr(norm, "full_tensor", None)  # a DTensor when the model is sharded
     return (full() if full is not None else norm).float()
+
+
+def _with_grads(optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters that have a gradient this step."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
