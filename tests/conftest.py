@@ -6,14 +6,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "data" / "tinyshakespeare.txt"
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path_factory, monkeypatch):
-    # One token cache for the session (tokenising is shared), offline W&B, no network anywhere.
-    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "lmlab-cache"))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-
 @pytest.fixture
 def corpus_slice(tmp_path) -> Path:
     """The first 60 kB of tinyshakespeare: enough to train a few steps, fast to tokenise."""

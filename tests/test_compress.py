@@ -96,10 +96,13 @@ def compress(base: Path, out: Path, *args: str) -> dict:
 def test_awq_has_lower_perplexity_than_round_to_nearest_at_the_same_bits_and_group(base, tmp_path):
     # Calibrated on the training split (the default), scored on validation: at 3 bits in groups of 64
     # this small model loses too little to RTN for AWQ's fit to carry over (it did only when it
-    # calibrated on the scored text itself); whole rows (128) leave it room.
+    # calibrated on the scored text itself); whole rows (128) leave it room. A grid of 10 points rather
+    # than the default 20 halves the search: measured, AWQ's margin over RTN is the same (7.1994 and
+    # 7.2177 against 7.2053 and 7.2303; 7.1967 and 7.2224 with 20 points).
     for bits, group in ((4, 64), (3, 128)):
         rtn = compress(base, tmp_path / f"rtn{bits}", "--use", "rtn", "--set", f"bits={bits}", "--set", f"group_size={group}")
-        awq = compress(base, tmp_path / f"awq{bits}", "--use", "awq", "--set", f"bits={bits}", "--set", f"group_size={group}")
+        awq = compress(base, tmp_path / f"awq{bits}", "--use", "awq", "--set", f"bits={bits}", "--set", f"group_size={group}",
+                       "--set", "grid=10")
         assert awq["val_ppl"] < rtn["val_ppl"], (bits, awq["val_ppl"], rtn["val_ppl"])
         assert rtn["val_ppl"] > rtn["base"]["val_ppl"]  # quantising costs something
         assert rtn["disk_bytes"] < 0.5 * rtn["base"]["disk_bytes"]

@@ -194,7 +194,7 @@ def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
     if trainer.global_rank == 1 and trainer.global_step == 2:
         # Rank 1 stalls before step 3, as a rank stuck reading its data would (a loop: a signal's
         # handler may cut one long sleep short).
-        deadline = time.monotonic() + 35
+        deadline = time.monotonic() + 24
         while time.monotonic() < deadline:
             time.sleep(0.5)
     return _start(self, trainer, pl_module, batch, batch_idx)
@@ -210,7 +210,7 @@ def test_a_collective_timeout_names_the_late_rank(tiny_manifest, tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(STALL))
-    path = tiny_manifest('\n[parallel]\nuse = "ddp"\ndevices = 2\naccelerator = "cpu"\ntimeout_s = 20\n', steps=6)
+    path = tiny_manifest('\n[parallel]\nuse = "ddp"\ndevices = 2\naccelerator = "cpu"\ntimeout_s = 12\n', steps=6)
     done = run_cli("run", str(path), "--out", str(tmp_path / "runs"), env={"PYTHONPATH": str(site)}, timeout=600)
     assert done.returncode == 1, done.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())

@@ -58,7 +58,7 @@ def test_lmlab_eval_scores_as_lm_evals_hf_model_does_on_the_exported_folder(expo
     assert json.loads(written.read_text())["versions"]["shakespeare_next_line"] == 1.0
 
     hf = HFLM(pretrained=str(folder), device="cpu", batch_size=5, dtype="float32")
-    theirs = lm_eval.simple_evaluate(model=hf, tasks=TASKS, limit=12, task_manager=scores.task_manager(),
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=TASKS, limit=12, task_manager=scores.task_manager(tasks=TASKS),
                                      log_samples=True, bootstrap_iters=0)
     for task in TASKS:
         for metric, value in ours[task].items():
@@ -123,7 +123,7 @@ def test_a_lora_run_scores_as_lm_evals_hf_model_with_the_exported_adapter(export
     tasks = ["shakespeare_next_line", "shakespeare_ppl"]
     ours = scores.evaluate(load_run(lora), tasks, limit=8)
     hf = HFLM(pretrained=str(init), peft=str(tmp_path / "adapter"), device="cpu", batch_size=8, dtype="float32")
-    theirs = lm_eval.simple_evaluate(model=hf, tasks=tasks, limit=8, task_manager=scores.task_manager(),
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=tasks, limit=8, task_manager=scores.task_manager(tasks=tasks),
                                      bootstrap_iters=0)
     for task in tasks:
         for key, value in ours["results"][task].items():
@@ -214,7 +214,7 @@ def test_lm_evals_local_completions_against_lmlab_serve_scores_as_lmlab_eval(exp
     with serving(service) as url:
         api = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model="ft", tokenizer_backend="huggingface",
                                   tokenizer=str(folder), max_length=64, batch_size=4, tokenized_requests=True)
-        theirs = lm_eval.simple_evaluate(model=api, tasks=tasks, limit=6, task_manager=scores.task_manager(),
+        theirs = lm_eval.simple_evaluate(model=api, tasks=tasks, limit=6, task_manager=scores.task_manager(tasks=tasks),
                                          log_samples=True, bootstrap_iters=0)
     for task in tasks:
         for key, value in ours["results"][task].items():
@@ -241,7 +241,8 @@ def test_lm_evals_local_chat_completions_against_lmlab_serve_answers_as_lmlab_ev
     ours = scores.evaluate(load_run(run_dir), [task], limit=8, chat=True)
     with serving(Service.from_run(run_dir, model_name="ft")) as url:
         api = LocalChatCompletion(base_url=f"{url}/v1/chat/completions", model="ft", max_length=128)
-        theirs = lm_eval.simple_evaluate(model=api, tasks=[task], limit=8, task_manager=scores.task_manager(),
+        theirs = lm_eval.simple_evaluate(model=api, tasks=[task], limit=8,
+                                         task_manager=scores.task_manager(tasks=[task]),
                                          apply_chat_template=True, log_samples=True, bootstrap_iters=0)
     ours_, theirs_ = ours["samples"][task], theirs["samples"][task]
     assert ours_[0]["arguments"][0][0] != theirs_[0]["arguments"][0][0]  # rendered text against messages

@@ -2,6 +2,7 @@
 (with its versions, task configs and settings) as ``eval/harness-<tasks>.json``, and each task's
 metrics under ``eval`` in ``summary.json``, where ``lmlab compare`` finds them."""
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,10 @@ from lmlab.errors import UserError
 SHIPPED = Path(__file__).resolve().parent / "tasks"
 
 
-def task_manager(include_path: Path | None = None):
+def task_manager(include_path: Path | None = None, tasks: list[str] | None = None):
+    """lm-eval's TaskManager over the shipped tasks and ``include_path``, with lm-eval's own thousands of
+    tasks indexed too unless every one of ``tasks`` is found without them (indexing them takes about
+    7 s; it is done once per process)."""
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
@@ -24,7 +28,18 @@ def task_manager(include_path: Path | None = None):
         if not include_path.is_dir():
             raise UserError("no such folder of task YAML files", key="--include-path")
         paths.append(str(include_path.resolve()))
-    return TaskManager(include_path=paths)
+    if tasks:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return _with_defaults(tuple(paths))
+
+
+@functools.cache
+def _with_defaults(paths: tuple[str, ...]):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(paths))
 
 
 def check_tasks(manager, tasks: list[str], key: str = "--tasks") -> None:
@@ -44,7 +59,7 @@ def evaluate(run, tasks: list[str], *, num_fewshot: int | None = None, limit: in
 
     from lmlab.harness.model import LmlabLM
 
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, tasks)
     check_tasks(manager, tasks)
     model = LmlabLM(run=run, batch_size=batch_size, max_length=max_length)
     try:

@@ -6,6 +6,8 @@ test on ``processes`` CPU processes with ``batch_size`` each. lmlab draws each s
 from (seed, step) and gives every replica its slice (``lmlab.train.batches``), so both runs see the
 same data in the same order, and the logged training loss (averaged over ranks) must agree step by
 step. Then ``lmlab generate`` must load the parallel run's checkpoint into a single-device model.
+The one-device run is trained once per process for a given manifest and corpus: further checks of
+the same configuration (another strategy, another stage) compare against a copy of it.
 
 Tolerance: the two runs do the same arithmetic in a different order (a sum over the global batch
 against an all-reduce of per-replica sums; sharded optimizer steps), so they agree to float32
@@ -78,10 +80,10 @@ def check_parallel_matches_single(parallel_table: str, workdir: Path, corpus: Pa
     parallel = _write(workdir / "parallel.toml", corpus, steps, batch_size,
                       f"{extra_manifest}\n[parallel]\n{parallel_table}\n", extra_train)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # N processes × N threads on N cores crawl
-    for manifest, out in ((single, workdir / "single"), (parallel, workdir / "parallel")):
-        result = subprocess.run([sys.executable, "-m", "lmlab", "run", str(manifest), "--out", str(out)],
-                                capture_output=True, text=True, env=env, timeout=timeout)
-        assert result.returncode == 0, f"{manifest.name} failed:\n{result.stderr[-4000:]}"
+    if not _reuse_reference(single, corpus, workdir / "single"):
+        _train(single, workdir / "single", env, timeout)
+        _keep_reference(single, corpus, workdir / "single")
+    _train(parallel, workdir / "parallel", env, timeout)
     # Losses that match would prove nothing if the plugin quietly trained on one process.
     took_part = json.loads((workdir / "parallel" / "default" / "summary.json").read_text()).get("processes")
     assert took_part == processes, f"{processes} processes were to train, {took_part} took part"
@@ -97,6 +99,47 @@ def check_parallel_matches_single(parallel_table: str, workdir: Path, corpus: Pa
     assert generated.returncode == 0, f"generate could not load the checkpoint:\n{generated.stderr[-3000:]}"
     assert generated.stdout.startswith("the ") and len(generated.stdout.rstrip("\n")) > len("the ")
     return worst
+
+
+# One-device reference runs already trained in this process, kept by what determines them: a suite that
+# checks several strategies on the same manifest trains the reference once. Each is a private copy, so a
+# caller that goes on to change its own folder changes no later caller's reference.
+_REFERENCES: dict[str, Path] = {}
+
+
+def _reference_key(manifest: Path, corpus: Path) -> str:
+    import hashlib
+
+    text = manifest.read_text().replace(str(corpus), "<corpus>")
+    return hashlib.sha256(text.encode() + hashlib.sha256(corpus.read_bytes()).digest()).hexdigest()
+
+
+def _keep_reference(manifest: Path, corpus: Path, run: Path) -> None:
+    import atexit
+    import shutil
+    import tempfile
+
+    copy = Path(tempfile.mkdtemp(prefix="lmlab-reference-")) / "run"
+    shutil.copytree(run, copy)
+    atexit.register(shutil.rmtree, copy.parent, ignore_errors=True)
+    _REFERENCES[_reference_key(manifest, corpus)] = copy
+
+
+def _reuse_reference(manifest: Path, corpus: Path, out: Path) -> bool:
+    """Copies the reference for this manifest and corpus into ``out`` if this process trained it before."""
+    import shutil
+
+    kept = _REFERENCES.get(_reference_key(manifest, corpus))
+    if kept is None or out.exists() or not (kept / "default" / "summary.json").is_file():
+        return False
+    shutil.copytree(kept, out)
+    return True
+
+
+def _train(manifest: Path, out: Path, env: dict, timeout: int) -> None:
+    result = subprocess.run([sys.executable, "-m", "lmlab", "run", str(manifest), "--out", str(out)],
+                            capture_output=True, text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, f"{manifest.name} failed:\n{result.stderr[-4000:]}"
 
 
 def synthetic_corpus(path: Path, size: int = 60_000, seed: int = 0) -> Path:

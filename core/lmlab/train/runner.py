@@ -48,7 +48,7 @@ def run_variant(variant, run_dir: Path, resume: bool = False, extra_hooks=(), ch
     if tasks:  # unknown task names are refused before training, not after it
         from lmlab.harness import scores
 
-        scores.check_tasks(scores.task_manager(), tasks, key="eval.tasks")
+        scores.check_tasks(scores.task_manager(tasks=tasks), tasks, key="eval.tasks")
     try:
         result = _run(variant, run_dir, resume, extra_hooks, started, attempt, checked, control)
         if tasks and result.is_main and result.summary.get("status") == "completed":

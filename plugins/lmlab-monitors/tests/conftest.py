@@ -8,13 +8,6 @@ import torch
 CORPUS = Path(__file__).resolve().parents[3] / "data" / "tinyshakespeare.txt"
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "lmlab-cache"))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-
 @pytest.fixture
 def tiny_manifest(tmp_path):
     """Writes a tiny manifest with ``extra`` TOML appended (monitor tables, [train] overrides go in
