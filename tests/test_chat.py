@@ -57,12 +57,25 @@ use = "none"
     return root / "runs" / "default"
 
 
-def test_a_conversation_renders_as_transformers_renders_it(smol_run):
-    from lmlab.chat_template import prompt_ids, prompt_text
+@pytest.fixture(scope="module")
+def smol_loaded(smol_run):
+    """The run loaded once for the tests that only read it (building and reading 135M weights takes seconds)."""
     from lmlab.trained import load_run
 
-    tokenizer = load_run(smol_run).tokenizer
-    theirs = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    return load_run(smol_run)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer():
+    """transformers' tokenizer read from the GGUF file itself (parsing its metadata takes seconds)."""
+    return transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+
+
+def test_a_conversation_renders_as_transformers_renders_it(smol_loaded, gguf_tokenizer):
+    from lmlab.chat_template import prompt_ids, prompt_text
+
+    tokenizer = smol_loaded.tokenizer
+    theirs = gguf_tokenizer
     expected = theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
     assert prompt_text(tokenizer, CONVERSATION) == expected
     assert prompt_ids(tokenizer, CONVERSATION) == theirs(expected, add_special_tokens=False)["input_ids"]
@@ -85,14 +98,13 @@ def test_generate_answers_a_conversation_file_and_holds_a_chat(smol_run, tmp_pat
     assert line.startswith("lmlab: error: --messages:") and "message 2 needs a role" in line
 
 
-def test_serve_answers_the_whole_conversation_through_the_models_template(smol_run):
+def test_serve_answers_the_whole_conversation_through_the_models_template(smol_loaded):
     import openai
 
     from lmlab import discovery
     from lmlab.serve.service import Service
-    from lmlab.trained import load_run
 
-    run = load_run(smol_run)
+    run = smol_loaded
     service = Service(run.model, run.tokenizer, decoder=discovery.load("decoding", "sample")(), model_id="smol",
                       template=None, data_name="text-file")
     with serving(service) as url:
@@ -103,20 +115,20 @@ def test_serve_answers_the_whole_conversation_through_the_models_template(smol_r
         assert "Paris" in many.choices[0].message.content
 
 
-def test_the_exported_folder_keeps_the_chat_template_and_answers_alike(smol_run, tmp_path):
+def test_the_exported_folder_keeps_the_chat_template_and_answers_alike(smol_run, smol_loaded, gguf_tokenizer,
+                                                                      tmp_path):
     import torch
 
     from lmlab.chat_template import prompt_ids
-    from lmlab.trained import load_run
 
     out = tmp_path / "smol-hf"
     assert main(["export", str(smol_run), "--format", "hf", "--out", str(out)]) == 0
     theirs = transformers.AutoTokenizer.from_pretrained(out)
-    original = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    original = gguf_tokenizer
     assert theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == \
         original.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
     # transformers' greedy answer from the exported folder is the run's, token for token.
-    run = load_run(smol_run)
+    run = smol_loaded
     idx = torch.tensor([prompt_ids(run.tokenizer, QUESTION)])
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     answer = exported.generate(idx, max_new_tokens=8, do_sample=False, pad_token_id=theirs.eos_token_id)
@@ -175,7 +187,7 @@ def assistant_loss(model, tokenizer, conversations) -> float:
     return total / count
 
 
-def test_lora_sft_on_conversations_lowers_the_held_out_assistant_loss(smol_run, tmp_path):
+def test_lora_sft_on_conversations_lowers_the_held_out_assistant_loss(smol_loaded, tmp_path):
     import random
 
     from lmlab.trained import load_run
@@ -216,7 +228,7 @@ sample_tokens = 0
 use = "none"
 """)
     assert main(["run", str(tmp_path / "sft.toml"), "--out", str(tmp_path / "runs")]) == 0
-    base = load_run(smol_run)
+    base = smol_loaded
     tuned = load_run(tmp_path / "runs" / "default")
     before = assistant_loss(base.model.eval(), base.tokenizer, held_out)
     after = assistant_loss(tuned.model.eval(), tuned.tokenizer, held_out)
