@@ -16,11 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from lmlab.api.executor import PreparationKit
 from lmlab.prepare import pipeline
-from lmlab.prepare.dask_pool import DaskWorkers
+from lmlab.prepare.staging import ReadTask
 from lmlab.prepare.work import Worker
+from lmlab_dask.preparation import DaskWorkers
 from test_prepare import (ENCODINGS, encodings_manifest, files_of, kill_a_few_parts_in, needs_stdlib, quiet, variant_of,
                           write_manifest)
+
+KIT = PreparationKit(Worker, ReadTask)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -104,9 +108,9 @@ def test_the_tasks_run_on_the_cluster_s_workers_and_come_back_in_order(tmp_path)
     filters = filter_specs(variant)
     texts = [p.read_text() for p in sorted(Path(variant.manifest["data"]["path"]).parent.glob("*.py"))[:40]]
     chunks = [texts[i:i + 4] for i in range(0, len(texts), 4)]
-    with DaskWorkers(2, filters) as pool:
+    with DaskWorkers(2, filters, KIT) as pool:
         got = list(pool.map("filter_chunk", chunks))
-        built = pool.executor.run(lambda: len(sys.modules["lmlab.prepare.dask_pool"]._workers))
+        built = pool.executor.run(lambda: len(sys.modules["lmlab_dask.preparation"]._workers))
         pids = pool.executor.run(os.getpid)
     assert got == [Worker(filters).filter_chunk(chunk) for chunk in chunks]
     # Both worker processes (not this one) built the filters and ran tasks.
@@ -192,8 +196,8 @@ def test_a_dask_worker_killed_mid_prepare_is_survived_by_resuming_on_the_others(
     assert files_of(root / "tokens" / local.name) == files_of(local)
 
 
+# An unreachable scheduler is one line within a bounded time: test_dask_sweep (the same connection).
 @pytest.mark.parametrize("args, says", [
-    (("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9"), "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'"),
     (("--scheduler", "tcp://127.0.0.1:9"), "needs --executor dask"),
 ])
 def test_a_scheduler_that_cannot_be_used_is_one_line_and_exit_2_within_a_bounded_time(tmp_path, args, says):
@@ -279,7 +283,7 @@ def test_the_index_partitioned_over_workers_decides_as_the_filter_alone_and_resu
             admitter.flush()
         return verdicts
 
-    with DaskWorkers(2, []) as pool:
+    with DaskWorkers(2, [], KIT) as pool:
         first = pool.admitting(0, cls(cls.Options(**options)), tmp_path)
         got = decide(first, signatures[:40])
         state = first.state_dict()  # each shard writes its segment: arrays, no pickle
@@ -287,7 +291,7 @@ def test_the_index_partitioned_over_workers_decides_as_the_filter_alone_and_resu
         assert all(keys > 0 for keys, _ in held)  # the keys are spread over both workers
         assert sum(n for _, n in held) == got.count(True)
     # Resumed on a cluster of another size: three shards read the two shards' segments.
-    with DaskWorkers(3, []) as pool:
+    with DaskWorkers(3, [], KIT) as pool:
         second = pool.admitting(0, cls(cls.Options(**options)), tmp_path)
         second.load_state_dict(state)
         got += decide(second, signatures[40:])
@@ -296,7 +300,7 @@ def test_the_index_partitioned_over_workers_decides_as_the_filter_alone_and_resu
 
 def test_workers_lost_more_often_than_a_preparation_survives_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
     from lmlab.cli.main import main
-    from lmlab.prepare.key_index import WorkerLost
+    from lmlab.api.executor import WorkerLost
 
     def lost(*args, **kwargs):
         raise WorkerLost("a Dask worker holding part of the deduplication index was lost (gone), 4 times; run the "

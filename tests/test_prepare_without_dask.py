@@ -1,5 +1,5 @@
-"""Dask is the optional extra ``lmlab[dask]``: without it, ``--executor dask`` is one line naming the
-extra (exit 2, no traceback), and every other path neither imports nor needs it."""
+"""Dask is the lmlab-dask executor plugin's dependency: without it, ``--executor dask`` is one line naming
+the distribution (exit 2, no traceback), and every other path neither imports nor needs it."""
 
 import os
 import subprocess
@@ -48,16 +48,17 @@ def prepare_without_dask(tmp_path: Path, manifest: Path, *args: str) -> subproce
 def test_the_prepare_modules_import_without_dask(tmp_path):
     # Dask is imported only once the Dask executor starts: its own modules load without it too.
     modules = ["lmlab.cli.main", "lmlab.cli.prepare", "lmlab.cli.run", "lmlab.prepare.pipeline",
-               "lmlab.prepare.dask_pool", "lmlab.prepare.key_index", "lmlab.prepare.staging"]
+               "lmlab.prepare.staging", "lmlab.train.executors", "lmlab_dask.executor", "lmlab_dask.preparation",
+               "lmlab_dask.key_index", "lmlab_dask.sweep"]
     done = without_dask(tmp_path, "-c", f"import {', '.join(modules)}")
     assert done.returncode == 0, done.stderr
 
 
-def test_the_dask_executor_without_dask_is_one_line_naming_the_extra(tmp_path, corpus_manifest):
+def test_the_dask_executor_without_dask_is_one_line_naming_the_distribution(tmp_path, corpus_manifest):
     done = prepare_without_dask(tmp_path, corpus_manifest, "--executor", "dask")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("lmlab: error: --executor: ") and done.stderr.count("\n") == 1, done.stderr
-    assert 'pip install "lmlab[dask]"' in done.stderr and "No module named" in done.stderr
+    assert "pip install lmlab-dask" in done.stderr and "No module named" in done.stderr
     assert not (tmp_path / "cache" / "tokens").exists()  # refused before anything was prepared
 
 
@@ -68,9 +69,9 @@ def test_the_local_executor_neither_imports_nor_needs_dask(tmp_path, corpus_mani
     assert (folder / "index.json").is_file()
 
 
-def test_preparing_on_dask_from_python_without_it_names_the_extra(tmp_path, corpus_manifest, monkeypatch):
+def test_preparing_on_dask_from_python_without_it_names_the_distribution(tmp_path, corpus_manifest, monkeypatch):
     variant = variant_of(corpus_manifest)
     monkeypatch.setitem(sys.modules, "distributed", None)  # import of it fails, even when already imported
-    with pytest.raises(UserError, match=r'pip install "lmlab\[dask\]"') as caught:
+    with pytest.raises(UserError, match=r'pip install lmlab-dask') as caught:
         pipeline.prepare_corpus(variant, root=tmp_path / "cache", workers=1, executor="dask")
     assert caught.value.key == "--executor"

@@ -126,13 +126,15 @@ def _check_objective_runs_model(plugins, model) -> None:
                         key="architecture.use")
 
 
-def run_all(variants) -> dict:
+def run_all(variants, machine: bool = True) -> dict:
     """Run every variant's checks; returns variant name → the context its plugins saw (a run reuses
-    them rather than checking again). A refusal in a sweep names the variant as well as the key."""
+    them rather than checking again). A refusal in a sweep names the variant as well as the key.
+    ``machine``: judge against this machine too (not when the variants run elsewhere: a cluster's
+    job checks them again where it runs)."""
     contexts = {}
     for variant in variants:
         try:
-            contexts[variant.name] = run(variant)
+            contexts[variant.name] = run(variant, machine=machine)
         except UserError as exc:
             if len(variants) == 1:
                 raise

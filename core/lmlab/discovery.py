@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lmlab import plugin_health
 from lmlab.errors import UserError, did_you_mean
-from lmlab.slots import MANY_SLOTS, SLOTS  # noqa: F401 — what discovery knows, re-exported
+from lmlab.slots import ALL_SLOTS, MANY_SLOTS, SLOTS  # noqa: F401 — what discovery knows, re-exported
 
 GROUP_PREFIX = "lmlab."
 
@@ -31,7 +31,7 @@ class PluginInfo:
 @cache
 def installed() -> dict[str, list[PluginInfo]]:
     """slot → plugins declared by installed distributions (duplicates kept, so they can be reported)."""
-    found: dict[str, list[PluginInfo]] = {slot: [] for slot in SLOTS}
+    found: dict[str, list[PluginInfo]] = {slot: [] for slot in ALL_SLOTS}
     seen = set()
     for dist in md.distributions():
         # entry_points.txt is tiny; METADATA (name, version) is parsed only for lmlab plugin dists.
@@ -80,7 +80,7 @@ def hint_for(slot: str, name: str) -> str:
 
 def find(slot: str, name: str, key: str) -> PluginInfo:
     """The one installed plugin ``name`` of ``slot``, or a UserError saying why there is none."""
-    if slot not in SLOTS:
+    if slot not in ALL_SLOTS:
         raise UserError(f"unknown slot {slot!r}", key=slot)
     candidates = [p for p in installed().get(slot, []) if p.name == name]
     if not candidates:

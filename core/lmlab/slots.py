@@ -39,7 +39,14 @@ TABLE = (
     Slot("compress", "Compressor", many=True),
 )
 
-BY_NAME = {slot.name: slot for slot in TABLE}
-SLOTS = tuple(BY_NAME)
+#: Slots a command line names (``--executor``), not a manifest: where a sweep runs changes nothing it
+#: trains, so it is neither validated with the manifest nor recorded in a run's.
+COMMAND_TABLE = (
+    Slot("executor", "Executor"),  # none named: the core's own `local`
+)
+
+BY_NAME = {slot.name: slot for slot in (*TABLE, *COMMAND_TABLE)}
+ALL_SLOTS = tuple(BY_NAME)
+SLOTS = tuple(slot.name for slot in TABLE)
 MANY_SLOTS = frozenset(slot.name for slot in TABLE if slot.many)
 DEFAULT_PLUGINS = {slot.name: slot.default for slot in TABLE if slot.default}

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
                                 Segment, document_text)
     from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper, TokenDecoder, TokenRows
     from lmlab.api.errors import UserError
+    from lmlab.api.executor import Executor, JobOutcome, VariantJob, run_job
     from lmlab.api.ffn import FFN, FFNModule
     from lmlab.api.filter import Filter
     from lmlab.api.hooks import LifecycleSpec, hookimpl, hookspec
@@ -89,6 +90,10 @@ _EXPORTS = {
     "TokenDecoder": "lmlab.api.decoding",
     "TokenRows": "lmlab.api.decoding",
     "UserError": "lmlab.api.errors",
+    "Executor": "lmlab.api.executor",
+    "JobOutcome": "lmlab.api.executor",
+    "VariantJob": "lmlab.api.executor",
+    "run_job": "lmlab.api.executor",
     "FFN": "lmlab.api.ffn",
     "FFNModule": "lmlab.api.ffn",
     "Filter": "lmlab.api.filter",
@@ -147,9 +152,9 @@ __all__ = ["SLOT_BASES", *_EXPORTS]
 
 def __getattr__(name: str):
     if name == "SLOT_BASES":  # slot name → the base class its plugins derive from (lmlab.slots)
-        from lmlab.slots import TABLE
+        from lmlab.slots import COMMAND_TABLE, TABLE
 
-        value = {slot.name: __getattr__(slot.base) for slot in TABLE}
+        value = {slot.name: __getattr__(slot.base) for slot in (*TABLE, *COMMAND_TABLE)}
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:

@@ -226,6 +226,14 @@ and raise the bound when the plugin starts to use a newer one.
      penalties that look back: lmlab-decoding's ``repetition_penalty`` and ``no_repeat_ngram_size``),
      ``Decoder.report()`` (what ``lmlab generate`` prints of how decoding went: a speculative
      decoder's acceptance rate).
+
+1.22: The executor slot (``lmlab.api.executor``), named on the command line (``lmlab run --executor``,
+     ``lmlab prepare --executor``), not in a manifest: ``Executor`` (``start``, ``run_variants``,
+     ``status``, ``preparation``, ``close``; ``cli_options``), ``VariantJob`` (one variant's ``lmlab run
+     --only`` command and its launch shape), ``JobOutcome`` and ``run_job`` (a job's command run where
+     it is called, dying with its caller). What a preparation's pool is made of, for an executor that
+     prepares data: ``PreparationWorker``, ``PluginSpec``, ``ReadTask`` and ``WorkerLost`` (the Dask
+     executor moved out of the core into lmlab-dask).
 """
 
-API_VERSION = "1.21"
+API_VERSION = "1.22"

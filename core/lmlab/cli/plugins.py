@@ -13,14 +13,14 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    if args.slot and args.slot not in discovery.SLOTS:
-        raise UserError(f"unknown slot{did_you_mean(args.slot, discovery.SLOTS)}; "
-                        f"slots: {', '.join(discovery.SLOTS)}", key=args.slot)
+    if args.slot and args.slot not in discovery.ALL_SLOTS:
+        raise UserError(f"unknown slot{did_you_mean(args.slot, discovery.ALL_SLOTS)}; "
+                        f"slots: {', '.join(discovery.ALL_SLOTS)}", key=args.slot)
     found = discovery.installed()
-    slots = [args.slot] if args.slot else [s for s in discovery.SLOTS if found.get(s)] + sorted(
-        s for s in found if s not in discovery.SLOTS and found[s])
+    slots = [args.slot] if args.slot else [s for s in discovery.ALL_SLOTS if found.get(s)] + sorted(
+        s for s in found if s not in discovery.ALL_SLOTS and found[s])
     if args.check:
-        return _check([p for slot in slots if slot in discovery.SLOTS for p in found.get(slot, [])])
+        return _check([p for slot in slots if slot in discovery.ALL_SLOTS for p in found.get(slot, [])])
     everything = [p for plugins in found.values() for p in plugins]
     problems = plugin_health.problems([p for slot in slots for p in found.get(slot, [])], everything)
     for slot in slots:
@@ -29,7 +29,7 @@ def main(args) -> int:
         names = [p.name for p in plugins]
         for p in plugins:
             clash = "  ! also declared by another distribution" if names.count(p.name) > 1 else ""
-            unknown = "  ! not a known slot; lmlab ignores it" if slot not in discovery.SLOTS else ""
+            unknown = "  ! not a known slot; lmlab ignores it" if slot not in discovery.ALL_SLOTS else ""
             problem = f"  ! {problems[p]}" if p in problems else ""
             print(f"  {p.name:<16} {p.distribution} {p.version}{clash}{unknown}{problem}")
         missing = [e for e in discovery.catalogue() if e.get("slot") == slot and e.get("name") not in names]

@@ -30,6 +30,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only", action="append", default=[], metavar="VARIANT",
                         help="train only this variant of the sweep (repeatable), e.g. for one job of a "
                              "cluster array")
+    parser.add_argument("--executor", default="local", metavar="NAME",
+                        help="where the variants run: local (this machine, default), dask (a Dask cluster, "
+                             "lmlab-dask), slurm (a SLURM array, lmlab-slurm), or another executor plugin")
+    parser.add_argument("--scheduler", metavar="ADDRESS",
+                        help="with --executor dask: a running scheduler (tcp://host:8786); default: a local "
+                             "cluster of --jobs worker processes")
+    parser.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --executor slurm: a job setting (repeatable), e.g. partition=gpu, "
+                             "timeout_min=240; see the lmlab-slurm README")
+    parser.add_argument("--status", action="store_true",
+                        help="print each variant's state (and where its executor runs it); train nothing")
 
 
 def main(args) -> int:
@@ -37,23 +48,32 @@ def main(args) -> int:
         raise UserError("must be at least 1", key="--jobs")
     if args.overwrite and args.resume:
         raise UserError("--overwrite and --resume contradict each other", key="--overwrite")
+    from lmlab.train import executors
+
+    # The executor and its options before the manifest is read: an executor that is not installed,
+    # a wrong option, an unreachable scheduler start nothing.
+    executor = None if args.status else executors.load(args.executor, args.scheduler, args.slurm)
     variants = manifest.load(args.manifest, args.overrides)
     out = args.out or Path("runs") / variants[0].experiment
+    if args.status:
+        print("\n".join(executors.status_lines(_select(variants, args.only), out)))
+        return 0
     main_process = sweep.is_main_process()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if main_process else (lambda text: None)
     selected = _select(variants, args.only)
     from lmlab import checks
 
-    checked = checks.run_all(selected)  # a variant that cannot run is bad input, before any other trains
+    # A variant that cannot run is bad input, before any other trains.
+    checked = checks.run_all(selected, machine=executor is None)
     sweep.check_out(out)
     # Bad input found only once a variant reads its data (too little of it for one window) refuses
     # the command after the sweep index went in: put the runs folder back as it was.
     with sweep.undone_on_refusal(out, main_process):
-        failed, planned = _run_all(args, variants, selected, out, checked, main_process, say)
+        failed, planned = _run_all(args, variants, selected, out, checked, main_process, say, executor)
     return _finish(variants, planned, failed, main_process, say)
 
 
-def _run_all(args, variants, selected, out, checked, main_process, say) -> tuple[list, list]:
+def _run_all(args, variants, selected, out, checked, main_process, say, executor) -> tuple[list, list]:
     """Plan, claim and train the selected variants: (those that did not complete, the plan)."""
     with contextlib.ExitStack() as held:
         locks = {}
@@ -82,7 +102,17 @@ def _run_all(args, variants, selected, out, checked, main_process, say) -> tuple
             if item.action == "skip":
                 say(f"[{item.variant.name}] already completed; skipped")
 
-        if args.jobs > 1 and len(todo) > 1:
+        if executor is not None and todo:
+            from lmlab.train import executors
+
+            # Each job takes its own folder's lock wherever it runs: release ours first.
+            held.close()
+            base = executors.absolute_argv(args.manifest, out, args.overrides)
+            results, running = executors.run(executor, args.executor, todo, args.jobs if args.jobs > 1 else None,
+                                             base, out, say)
+            failed = [item for item in todo if item.variant.name not in running
+                      and (results.get(item.variant.name) or {}).get("status") != "completed"]
+        elif args.jobs > 1 and len(todo) > 1:
             base = ["run", str(args.manifest), "--out", str(out), *(f"--set={o}" for o in args.overrides)]
             results = sweep.run_parallel(todo, args.jobs, base, say, {item.variant.name: locks[item.run_dir]
                                                                        for item in todo if item.run_dir in locks})

@@ -109,29 +109,37 @@ def _plugin_versions(variant, slots: tuple[str, ...]) -> dict:
 
 def prepare_corpus(variant, root: Path | None = None, workers: int | None = None, shard_mb: float | None = None,
                    listener: Listener | None = None, key: str | None = None, tokenizer=None,
-                   executor: str = "local", scheduler: str | None = None) -> Path:
+                   executor=None, scheduler: str | None = None) -> Path:
     """The folder of the variant's prepared corpus: found in the cache, or built (resuming a build
     that was interrupted). ``workers``: processes that filter and tokenise, this one included (a
-    local Dask cluster's worker processes under ``executor = "dask"``). ``scheduler``: the address of
-    a running Dask scheduler to use instead of a local cluster. ``tokenizer``: the variant's
-    tokenizer instance, fitted here when the entry is built."""
+    local cluster's worker processes under an executor plugin). ``executor``: an executor plugin
+    (``lmlab.api.Executor``) that runs the tasks instead of local processes, or its name, with
+    ``scheduler`` its address option. ``tokenizer``: the variant's tokenizer instance, fitted here
+    when the entry is built."""
     root = root or cache_root()
     workers = workers or default_workers()
     filters = filter_specs(variant)
     listener = listener or Progress()
-    if executor == "dask":
-        from lmlab.prepare.dask_pool import DaskWorkers
+    if executor is None or isinstance(executor, str):
+        from lmlab.train.executors import load
 
-        pool = DaskWorkers(workers, filters, scheduler, listener)
-    elif scheduler is not None:
-        raise UserError("a scheduler address needs --executor dask", key="--scheduler")
-    else:
+        executor = load(executor or "local", scheduler, [])
+    if executor is None:
         pool = Workers(workers, filters)
+    else:
+        from lmlab.api.executor import PreparationKit
+        from lmlab.prepare.staging import ReadTask
+        from lmlab.prepare.work import Worker
+
+        pool = executor.preparation(workers, filters, listener, PreparationKit(Worker, ReadTask))
+    if pool is None:
+        raise UserError(f"the {executor.name} executor cannot prepare data; use the local one or dask",
+                        key="--executor")
     # Filtering worker processes take about a second to start (they import their plugins): start
     # them now, while the data source's files are hashed for the cache key; stopped on a cache hit.
     # A Dask cluster starts (or is reached) now too: an unreachable scheduler is reported at once.
     with pool:
-        if filters or executor == "dask":
+        if filters or executor is not None:
             pool.start()
         source = variant.instantiate("data")  # one instance: it may remember what it found (a file list)
         key = key or cache_key(variant, source, tokenizer)

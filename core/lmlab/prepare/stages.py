@@ -14,10 +14,9 @@ from lmlab.api import Conversation, Record, Table, UserError
 from lmlab.conversation import ConversationWriter, conversation_writer
 from lmlab.errors import warn
 from lmlab.prepare import checkpoint, shards, spool, staging, tokenizing
-from lmlab.prepare.key_index import WorkerLost
 from lmlab.prepare.report import merged, new_stats, record
 from lmlab.prepare.shards import FORMAT, SPLITS, remove
-from lmlab.prepare.work import PluginSpec, Workers, checked_weight
+from lmlab.prepare.work import PluginSpec, WorkerLost, Workers, checked_weight
 
 CHUNK_CHARS = 1 << 18  # documents per filtering task: about this many characters...
 CHUNK_DOCS = 256  # ...or this many documents

@@ -21,7 +21,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from lmlab.api import Options, Record, document_text
+from lmlab.api import Record, document_text
+from lmlab.api.executor import PluginSpec, WorkerLost  # noqa: F401 - the core's own, re-exported
 from lmlab.prepare.shards import SUFFIXES, shard_name, write_array
 
 # Flags of a spooled span (one segment of a document): scored by a prompt-masked objective, and
@@ -54,19 +55,6 @@ def mask_value(flags: int) -> int:
     if not flags & SCORED:
         return 0
     return ((flags >> LABEL_SHIFT) & 0xFF) or 1
-
-
-@dataclass(frozen=True)
-class PluginSpec:
-    """A plugin as a worker process rebuilds it: the class (pickled by reference) and its options."""
-
-    cls: type
-    name: str
-    options: Options
-
-    def build(self):
-        self.cls.name = self.name  # discovery sets it in the main process; workers import afresh
-        return self.cls(self.options)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,25 @@ class RunLock:
         self.release()
 
 
+def live_holder(run_dir: Path) -> dict | None:
+    """Who holds ``run_dir``'s lock now (host, pid, start, command), or None when no live run does;
+    takes nothing (``lmlab run --status``)."""
+    path = Path(run_dir) / NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        info = _read(fd)
+        outcome = _try_lock(fd)
+        if outcome == "locked":
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        return (info or {}) if outcome == "held" or _alive(info) else None
+    finally:
+        os.close(fd)
+
+
 def holder() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": " ".join(["lmlab", *sys.argv[1:]])[:500]}

@@ -187,8 +187,15 @@ def tracker_files() -> list[str]:
 
 def write_index(out: Path, manifest_path: str, overrides: list[str], variants: list) -> None:
     """``sweep.json`` in the runs folder: the manifest, overrides and the variants in sweep order
-    (``lmlab compare`` takes its default baseline and row order from it)."""
-    write_json(out / "sweep.json", {
+    (``lmlab compare`` takes its default baseline and row order from it). What executors recorded of
+    the variants' jobs (``lmlab.train.executors``) is kept."""
+    kept = {}
+    try:
+        earlier = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
+        kept = {k: earlier[k] for k in ("executor", "jobs") if k in earlier}
+    except (OSError, ValueError, TypeError):
+        pass
+    write_json(out / "sweep.json", {**kept,
         "name": variants[0].experiment, "manifest": str(Path(manifest_path).resolve()),
         "overrides": list(overrides), "variants": [v.name for v in variants],
         "groups": list(dict.fromkeys(v.group for v in variants)),

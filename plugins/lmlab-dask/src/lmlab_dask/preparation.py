@@ -1,11 +1,11 @@
 """``lmlab prepare --executor dask``: the preparation's tasks on a Dask cluster instead of local processes.
 
-The tasks are the local executor's (:class:`lmlab.prepare.work.Worker`'s ``filter_chunk`` and
+The tasks are the local executor's (the ``PreparationKit``'s worker: ``filter_chunk`` and
 ``tokenize_part``): pure functions of their input, whose results this process takes in task order.
 So the shards are byte-identical whichever executor, cluster or worker count made them, and an
 interrupted preparation resumes from the same checkpoints. The workers read the source part by part
 (``DataSource.parts``, API 1.16), filter it, compute signatures and stage the kept text
-(:mod:`lmlab.prepare.staging`), write the spool parts and tokenise them into shards; this process
+(``ReadTask``), write the spool parts and tokenise them into shards; this process
 plans the parts, decides what the corpus-level filters keep (in corpus order, on the signatures the
 workers computed, so a near-duplicate is found whichever worker saw its twin), where each document
 goes and where a part ends, and writes the checkpoints and the index. A source that cannot be cut
@@ -19,104 +19,65 @@ is used and left running. Each worker builds the filters once and keeps them for
 """
 
 import hashlib
-import os
 import pickle
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from lmlab.errors import UserError
-from lmlab.prepare.work import PluginSpec, Worker
+from lmlab.api.executor import PluginSpec, PreparationKit
+from lmlab_dask.cluster import Cluster
 
-CONNECT_TIMEOUT_S = 10.0
-
-_workers: dict[str, Worker] = {}  # in a Dask worker process: the Worker of each set of filters
+_workers: dict[str, Any] = {}  # in a Dask worker process: the task runner of each set of filters
 
 
-def require_dask() -> None:
-    """Bad input (exit 2) when Dask's distributed scheduler cannot be imported: the Dask executor is
-    the optional extra ``lmlab[dask]``, so its absence is an install step, not a crash."""
-    try:
-        import distributed  # noqa: F401
-    except ImportError as exc:
-        raise UserError(f"the Dask executor is an optional extra, not installed here ({exc}); "
-                        'pip install "lmlab[dask]"', key="--executor") from None
-
-
-def _has_bokeh() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("bokeh") is not None
-
-
-def _run(token: str, filters: list[PluginSpec], method: str, item: Any) -> Any:
+def _run(token: str, kit: PreparationKit, filters: list[PluginSpec], method: str, item: Any) -> Any:
     worker = _workers.get(token)
     if worker is None:
-        worker = _workers[token] = Worker(filters)
+        worker = _workers[token] = kit.worker(filters)
     return getattr(worker, method)(item)
 
 
 class DaskWorkers:
-    """The interface of :class:`lmlab.prepare.work.Workers` over a Dask client: :meth:`map` yields
+    """The interface of the core's local pool over a Dask client: :meth:`map` yields
     results in task order, with a bounded number of tasks in flight."""
 
-    def __init__(self, n: int, filters: list[PluginSpec], scheduler: str | None = None, listener=None):
-        require_dask()
-        self.n, self.filters, self.scheduler, self.listener = max(1, n), filters, scheduler, listener
+    def __init__(self, n: int, filters: list[PluginSpec], kit: PreparationKit, scheduler: str | None = None,
+                 listener=None):
+        self.n, self.filters, self.kit, self.scheduler, self.listener = max(1, n), filters, kit, scheduler, listener
         self.token = hashlib.sha256(pickle.dumps(filters)).hexdigest()[:16]
-        self.executor = None  # the distributed.Client, once connected
-        self.cluster = None  # the LocalCluster this pool started, if any
-        self._environ: dict[str, str | None] = {}  # this process's values of what Dask's nannies overwrite
-        self._local: Worker | None = None
+        self.cluster = Cluster(scheduler, self.n)
+        self._local = None
         self._admitters: dict = {}  # corpus-level filter number → its ShuffledAdmitter
 
     @property
-    def local(self) -> Worker:
+    def executor(self):
+        """The distributed.Client, once connected."""
+        return self.cluster.client
+
+    @property
+    def local(self):
         if self._local is None:
-            self._local = Worker(self.filters)
+            self._local = self.kit.worker(self.filters)
         return self._local
 
     def start(self, lazily: bool = False) -> bool:
         if lazily or self.executor is not None:
             return True
-        import logging
-
-        from distributed import Client, LocalCluster
-
-        if self.scheduler is None:
-            # Dask's dashboard needs bokeh; without it the local cluster serves none.
-            dashboard = ":0" if _has_bokeh() else None
-            self._environ = _nanny_environ()
-            self.cluster = LocalCluster(n_workers=self.n, threads_per_worker=1, processes=True,
-                                        dashboard_address=dashboard, silence_logs=logging.ERROR)
-            _restore(self._environ)
-            self.executor = Client(self.cluster)
-        else:
-            try:
-                self.executor = Client(self.scheduler, timeout=CONNECT_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: all bad input
-                raise UserError(f"cannot reach the Dask scheduler at {self.scheduler!r} within "
-                                f"{CONNECT_TIMEOUT_S:g} s ({type(exc).__name__}: {exc})", key="--scheduler") from None
+        client = self.cluster.connect()
         if self.listener is not None:
-            self.listener("executor", {"scheduler": self.executor.scheduler.address, "workers": self.workers(),
-                                       "dashboard": self._dashboard()})
+            self.listener("executor", {"scheduler": client.scheduler.address, "workers": self.workers(),
+                                       "dashboard": self.cluster.dashboard()})
         return True
 
     def workers(self) -> int:
-        return len(self.executor.scheduler_info().get("workers", {})) or 1
-
-    def _dashboard(self) -> str | None:
-        # A remote scheduler's dashboard is its own affair; a local one needs bokeh here.
-        if self.cluster is not None and not _has_bokeh():
-            return None
-        return self.executor.dashboard_link
+        return len(self.cluster.workers()) or 1
 
     def admitting(self, number: int, instance, partial: Path):
         """What decides for corpus-level filter ``number`` of the build in ``partial``: the filter,
         or, when it can be partitioned by key (``Filter.shuffle_keys``), a stand-in whose index is
-        spread over the workers (:mod:`lmlab.prepare.key_index`)."""
+        spread over the workers (:mod:`lmlab_dask.key_index`)."""
         from lmlab.api import Filter
-        from lmlab.prepare.key_index import ShuffledAdmitter
+        from lmlab_dask.key_index import ShuffledAdmitter
 
         if type(instance).shuffle_keys is Filter.shuffle_keys:
             self._admitters.pop(number, None)
@@ -143,7 +104,7 @@ class DaskWorkers:
 
     def reading(self, source, stage: Path, skip: int, size: int, conversations) -> "Reading | None":
         """The filtered outcomes of ``source``'s documents after the first ``skip``, read by the
-        workers part by part (:mod:`lmlab.prepare.staging`), its Conversations written out by
+        workers part by part, its Conversations written out by
         ``conversations`` (a ConversationWriter); None when the source cannot be cut into parts (a
         plugin without ``DataSource.parts``): this process reads it then."""
         from lmlab.api import DataSource
@@ -161,7 +122,7 @@ class DaskWorkers:
     def write_part(self, part, spool: Path, name: str, stage: Path) -> dict:
         """Write a spool part on a worker, from the text the workers staged."""
         self.start()
-        return self.executor.submit(_run, self.token, self.filters, "write_part", (part, spool, name, stage),
+        return self.executor.submit(_run, self.token, self.kit, self.filters, "write_part", (part, spool, name, stage),
                                     pure=False).result()
 
     def _ordered(self, method: str, items: Iterable) -> Iterator:
@@ -170,7 +131,7 @@ class DaskWorkers:
         pending: deque = deque()
         try:
             for item in items:
-                pending.append(self.executor.submit(_run, self.token, self.filters, method, item, pure=False))
+                pending.append(self.executor.submit(_run, self.token, self.kit, self.filters, method, item, pure=False))
                 if len(pending) >= limit:
                     yield pending.popleft().result()
             while pending:
@@ -181,40 +142,13 @@ class DaskWorkers:
 
     def close(self) -> None:
         self._admitters.clear()  # their actors live on the cluster: released with the client
-        if self.executor is not None:
-            self.executor.close()
-            self.executor = None
-        if self.cluster is not None:
-            self.cluster.close()
-            self.cluster = None
-            _restore(self._environ)  # again: a nanny that restarted a lost worker set them again
+        self.cluster.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _nanny_environ() -> dict[str, str | None]:
-    """This process's values of the variables a Dask nanny writes into the environment of the process
-    that starts it, for its worker to inherit (``distributed.nanny.pre-spawn-environ``:
-    OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, ...). Left there, they would make every later child of this
-    process (a training run's, a test's) single-threaded."""
-    import dask
-
-    # and PYTHONHASHSEED, and the parent's pid, which they set beside those
-    keys = set(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {}) | {"PYTHONHASHSEED",
-                                                                                       "__DASK_PARENT_PID"}
-    return {key: os.environ.get(key) for key in keys}
-
-
-def _restore(saved: dict[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 class Reading:
@@ -228,9 +162,7 @@ class Reading:
         self.stats: dict[str, int] = {}
 
     def __iter__(self) -> Iterator[list]:
-        from lmlab.prepare.staging import ReadTask
-
-        tasks = (ReadTask(self.source, part, i, self.stage, self.conversations) for i, part in enumerate(self.parts))
+        tasks = (self.pool.kit.read_task(self.source, part, i, self.stage, self.conversations) for i, part in enumerate(self.parts))
         return self.pool._admitted(self._outcomes(self.pool._ordered("read_part", tasks)))
 
     def _outcomes(self, results: Iterator) -> Iterator[list]:

@@ -34,10 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lmlab.api.executor import WorkerLost
 
-class WorkerLost(Exception):
-    """A Dask worker holding part of a partitioned index was lost: what it held since the last
-    checkpoint is gone. The message is one line for the user."""
+
 
 
 @contextlib.contextmanager

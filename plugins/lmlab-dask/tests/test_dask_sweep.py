@@ -1,0 +1,155 @@
+"""``lmlab run --executor dask``: a sweep's variants as tasks on a local Dask cluster of two worker
+processes give the numbers ``--jobs 2`` gives, ran on the workers, and survive a worker killed
+mid-variant (its task runs again elsewhere and resumes from the checkpoint)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import refused, run_cli
+
+ROOT = Path(__file__).resolve().parents[3]
+SWEEP = '[sweep]\n"attention.use" = ["mha", "mqa"]\nseeds = [1, 2]\n'
+VARIANTS = ["attention.use=mha,seed=1", "attention.use=mha,seed=2", "attention.use=mqa,seed=1",
+            "attention.use=mqa,seed=2"]
+# What must not depend on where a variant ran.
+NUMBERS = ("val_loss", "val_ppl", "train_loss", "steps", "params", "trainable_params", "status")
+
+
+MANIFEST = """name = "dask-sweep"
+seed = 3
+
+[data]
+use = "text-file"
+path = "tiny.txt"
+
+[model]
+n_layers = 2
+d_model = 32
+n_heads = 4
+block_size = 16
+
+[train]
+max_steps = 24
+batch_size = 4
+warmup_steps = 2
+eval_every = 12
+eval_steps = 2
+checkpoint_every = 4
+log_every = 2
+sample_tokens = 0
+
+[tracker]
+use = "none"
+"""
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dask-sweep")
+    (root / "tiny.txt").write_text((ROOT / "data" / "tinyshakespeare.txt").read_text()[:60_000])
+    path = root / "sweep.toml"
+    path.write_text(MANIFEST + SWEEP)
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_results(sweep) -> dict:
+    """The reference: the same sweep with the local executor, two variants at a time."""
+    out = sweep.parent / "local"
+    done = run_cli("run", str(sweep), "--out", str(out), "--jobs", "2", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {v: numbers(out / v) for v in VARIANTS}
+
+
+def numbers(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {k: summary[k] for k in NUMBERS}
+
+
+@pytest.mark.slow  # two sweeps of four tiny variants, two at a time: about a minute
+def test_a_sweep_on_two_dask_workers_gives_the_local_executor_s_numbers_and_records_where_each_ran(
+        sweep, local_results):
+    out = sweep.parent / "dask"
+    done = run_cli("run", str(sweep), "--out", str(out), "--executor", "dask", "--jobs", "2", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {v: numbers(out / v) for v in VARIANTS} == local_results
+
+    index = json.loads((out / "sweep.json").read_text())
+    assert index["executor"] == "dask" and index["variants"] == VARIANTS
+    jobs = index["jobs"]
+    assert sorted(jobs) == VARIANTS
+    workers = {job["worker"] for job in jobs.values()}
+    assert len(workers) == 2 and all(w.startswith("tcp://") for w in workers)  # both workers trained
+    pids = {job["pid"] for job in jobs.values()}
+    assert len(pids) == 4 and os.getpid() not in pids
+    assert all(job["returncode"] == 0 and job["attempts"] == 1 and job["state"] == "done" for job in jobs.values())
+    for variant, job in jobs.items():
+        log = (out / variant / "output.log").read_text()
+        assert f"{variant} on worker {job['worker']}" in log  # the attempt's line, written on the worker
+
+    # Run again: every variant is skipped; --status reads the folders and the index.
+    again = run_cli("run", str(sweep), "--out", str(out), "--executor", "dask", "--jobs", "2")
+    assert again.returncode == 0 and again.stderr.count("already completed; skipped") == 4, again.stderr[-2000:]
+    status = run_cli("run", str(sweep), "--out", str(out), "--status")
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0].endswith("4 variant(s), executor dask")
+    for variant in VARIANTS:
+        (line,) = [x for x in lines if x.split() and x.split()[0] == variant]
+        assert line.split()[1] == "completed" and f"val_loss {local_results[variant]['val_loss']:.4f}" in line
+
+
+@pytest.mark.slow  # a sweep whose worker is killed mid-variant: about 40 s
+def test_a_worker_killed_mid_variant_is_survived_by_resuming_it_on_another_with_the_same_numbers(
+        sweep, local_results):
+    psutil = pytest.importorskip("psutil")
+    out = sweep.parent / "killed"
+    chosen = VARIANTS[:2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sweep_proc = subprocess.Popen([sys.executable, "-m", "lmlab", "run", str(sweep), "--out", str(out), "--executor",
+                                   "dask", "--jobs", "2", *(f"--only={v}" for v in chosen)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+    victim = out / chosen[0]
+    try:
+        deadline = time.monotonic() + 300
+        while not (victim / "checkpoints" / "last.ckpt").is_file():
+            assert sweep_proc.poll() is None and time.monotonic() < deadline, sweep_proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        holder = json.loads((victim / ".lmlab.lock").read_text())  # the variant's own process
+        worker = psutil.Process(holder["pid"]).parent()  # the Dask worker that runs it
+        assert "lmlab" not in " ".join(worker.cmdline()[1:3])
+        worker.send_signal(signal.SIGKILL)
+        _, stderr = sweep_proc.communicate(timeout=600)
+    finally:
+        if sweep_proc.poll() is None:
+            os.killpg(sweep_proc.pid, signal.SIGKILL)
+            sweep_proc.wait()
+    assert sweep_proc.returncode == 0, stderr[-3000:]
+    assert {v: numbers(out / v) for v in chosen} == {v: local_results[v] for v in chosen}
+    job = json.loads((out / "sweep.json").read_text())["jobs"][chosen[0]]
+    assert job["attempts"] == 2 and job["returncode"] == 0 and job["pid"] != holder["pid"]
+    steps = [json.loads(line)["step"] for line in (victim / "metrics.jsonl").read_text().splitlines()
+             if "train_loss" in line]
+    assert steps == sorted(set(steps)) and steps[-1] == 24  # resumed from its checkpoint: no step twice
+
+
+@pytest.mark.parametrize("args, key, says", [
+    (("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9"), "--scheduler",
+     "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'"),
+    (("--scheduler", "tcp://127.0.0.1:9"), "--scheduler", "needs --executor dask"),
+    (("--executor", "dask", "--slurm", "partition=gpu"), "--slurm", "the dask executor takes no --slurm options"),
+    (("--executor", "kubernetes"), "--executor", "plugin 'kubernetes' is not installed for slot 'executor'"),
+])
+def test_an_executor_that_cannot_be_used_is_one_line_and_exit_2_with_nothing_started(sweep, tmp_path, args, key,
+                                                                                       says):
+    out = tmp_path / "out"
+    line = refused(run_cli("run", str(sweep), "--out", str(out), *args, timeout=120), key)
+    assert says in line
+    assert not out.exists()  # no sweep index, no variant folder
