@@ -153,3 +153,17 @@ def test_an_executor_that_cannot_be_used_is_one_line_and_exit_2_with_nothing_sta
     line = refused(run_cli("run", str(sweep), "--out", str(out), *args, timeout=120), key)
     assert says in line
     assert not out.exists()  # no sweep index, no variant folder
+
+
+@pytest.mark.slow  # one variant of two DDP processes on one Dask worker: about 20 s
+def test_a_variant_of_two_processes_runs_them_both_from_its_one_task(tmp_path):
+    (tmp_path / "tiny.txt").write_text((ROOT / "data" / "tinyshakespeare.txt").read_text()[:60_000])
+    ddp = '[parallel]\nuse = "ddp"\ndevices = 2\naccelerator = "cpu"\n'
+    (tmp_path / "ddp.toml").write_text(MANIFEST.replace("max_steps = 24", "max_steps = 4") + ddp)
+    out = tmp_path / "runs"
+    done = run_cli("run", str(tmp_path / "ddp.toml"), "--out", str(out), "--executor", "dask", "--jobs", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "default" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
+    job = json.loads((out / "sweep.json").read_text())["jobs"]["default"]
+    assert job["returncode"] == 0 and job["worker"].startswith("tcp://")

@@ -113,7 +113,11 @@ def parameters(options, devices: int, nodes: int, accelerator: str, parallel: in
     if options.setup:
         params["slurm_setup"] = list(options.setup)
     if options.cluster != "slurm":
+        # On this machine there is no srun to start the processes: the variant's parallel plugin does,
+        # as it does under `lmlab run` alone.
         params = {k: v for k, v in params.items() if not k.startswith("slurm_")}
+        params.update(tasks_per_node=1, nodes=1)
+        params.pop("gpus_per_node", None)
     return params
 
 
