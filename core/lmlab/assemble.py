@@ -88,11 +88,18 @@ def assemble(variant, *, data: bool = False, run_dir: Path | None = None, model:
     plugins["objective"].setup(vocab)
     out = Assembly(variant, plugins, tokenizer, vocab, shape, tokens=tokens)
     if model:
-        out.model = out.build_model()
         if run_dir is not None:
+            from lmlab.unfilled import without_random_init
+
+            # Every parameter comes from the checkpoint (a loaded objective's own new heads excepted,
+            # which the load starts itself): nothing is drawn that the load would throw away.
+            with without_random_init(parameters_only=True):
+                out.model = out.build_model()
             _load_trained_weights(out, Path(run_dir))
-        elif train_dir is not None:
-            _finish_for_training(out, Path(train_dir), resuming)
+        else:
+            out.model = out.build_model()
+            if train_dir is not None:
+                _finish_for_training(out, Path(train_dir), resuming)
     return out
 
 

@@ -16,6 +16,7 @@ from lmlab import objective_runs
 from lmlab.api import CheckContext, UserError
 from lmlab.assemble import assemble
 from lmlab.config import TrainOptions
+from lmlab.unfilled import without_random_init
 
 DEFAULT_SAMPLE_PROMPT = TrainOptions.model_fields["sample_prompt"].default
 
@@ -39,7 +40,7 @@ def run(variant, machine: bool = True) -> CheckContext:
 
         check_parallel(peft, variant)
     try:
-        with torch.device("meta"), _without_random_init():
+        with torch.device("meta"), without_random_init():
             model = built.build_model()  # the core and the plugins' build methods refuse here
     except UserError:
         raise
@@ -141,25 +142,6 @@ def run_all(variants, machine: bool = True) -> dict:
             raise UserError(f"{exc.message} (variant {variant.name})", key=exc.key) from None
     return contexts
 
-
-
-def _without_random_init():
-    """A torch-function mode that skips random initialisation, which a meta tensor has no values for:
-    torch's meta ``normal_`` runs through its Python reference implementations and imports
-    torch._dynamo, over a second that would otherwise be most of what ``lmlab check`` costs."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    random_fills = {torch.Tensor.normal_, torch.nn.init.normal_, torch.nn.init.trunc_normal_}
-
-    class WithoutRandomInit(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in random_fills:  # the tensor filled in place is returned, as the real ones do
-                # It is the fill's one tensor argument, whether given by position or by keyword.
-                return next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor))
-            return func(*args, **(kwargs or {}))
-
-    return WithoutRandomInit()
 
 
 def _check_order(variant, order, objective) -> None:

@@ -145,7 +145,7 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
         restructure(model, checkpoint[KEY], ckpt_path)
     info = checkpoint.get("lmlab_peft")
     if info is None:
-        model.load_state_dict(objective_heads_as_built(model, state_of(checkpoint)))
+        model.load_state_dict(objective_heads_as_built(model, state_of(checkpoint), start_own=True))
         return step, None
     if "peft" not in variant.plugins:
         raise UserError(f"holds an adapter checkpoint ({info['plugin']}) but its manifest has no [peft] table",
@@ -170,13 +170,20 @@ def load_run_weights(model: torch.nn.Module, variant, run_dir: Path, ckpt_path: 
     return step, plugin
 
 
-def objective_heads_as_built(model: torch.nn.Module, state: dict) -> dict:
+def objective_heads_as_built(model: torch.nn.Module, state: dict, start_own: bool = False) -> dict:
     """``state`` for a run loaded with another objective than it trained with (``--set objective.use=...``):
     heads of the old objective are left out, and those of the new one, which the checkpoint cannot
-    hold, keep the values it built. A checkpoint holding any of the model's heads must hold them all."""
+    hold, keep the values it built (``start_own``: built without random values, lmlab.unfilled, so
+    they are started now, each module by its ``reset_parameters``). A checkpoint holding any of the
+    model's heads must hold them all."""
     own = model.state_dict()
     state = {k: v for k, v in state.items() if not k.startswith("heads.") or k in own}
     if not any(k.startswith("heads.") for k in state):
+        if start_own and getattr(model, "heads", None) is not None:
+            for module in model.heads.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+            own = model.state_dict()
         state.update({k: v for k, v in own.items() if k.startswith("heads.")})
     return state
 
