@@ -70,6 +70,9 @@ def test_every_api_slot_renders_to_a_distribution_that_imports_only_lmlab_api(sl
     example = tomllib.loads(files["example.toml"])
     if slot == "compress":  # applied to a trained run by `lmlab compress`, never named in a training manifest
         assert slot not in example and "lmlab compress runs/my-thing-example/default --use my-thing" in files["README.md"]
+    elif slot == "executor":  # named on the command line: the example is a sweep to run through it
+        assert slot not in example and example["sweep"]["seeds"] == [1, 2]
+        assert "lmlab run example.toml --executor my-thing" in files["README.md"]
     else:
         assert example[slot]["use"] == (["my-thing"] if slot in MANY_SLOTS else "my-thing")
     plugin = files[f"src/lmlab_my_thing/{plan.module}.py"]
@@ -174,7 +177,7 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     for dist in dists:
         example = tomllib.loads((dist / "example.toml").read_text())
         slot = dist.name.removeprefix("lmlab-my-")
-        if slot == "compress":  # used on the trained run below
+        if slot in ("compress", "executor"):  # used on the trained run below; runs the sweep below
             continue
         manifest[slot] = example[slot]
         if slot == "data":
@@ -197,7 +200,7 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "completed"
     for slot in slots:
-        if slot not in ("parallel", "compress", "order"):
+        if slot not in ("parallel", "compress", "order", "executor"):
             used = summary["plugins"][slot]
             assert (used[0] if slot in MANY_SLOTS else used)["distribution"] == f"lmlab-my-{slot}"
     assert 0 < summary["trainable_params"] < summary["params"] and summary["adapter_bytes"] > 0  # my-peft
@@ -213,6 +216,14 @@ def test_generated_plugins_of_every_other_slot_pass_their_tests_and_train_togeth
     assert used["distribution"] == "lmlab-my-order"
     assert "my-monitor/loss_ema" in (folder / "metrics.jsonl").read_text()  # a hook of a many-valued slot
     assert (folder / "tracker.jsonl").is_file()  # the generated tracker
+    # The generated executor runs its example's sweep (two seeds) from the command line.
+    example = tmp_path / "gen" / "lmlab-my-executor" / "example.toml"
+    run = run_cli("run", str(example), "--out", str(tmp_path / "executor"), "--executor", "my-executor", *SMALL,
+                  env={"PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    index = json.loads((tmp_path / "executor" / "sweep.json").read_text())
+    assert index["executor"] == "my-executor" and sorted(index["jobs"]) == ["seed=1", "seed=2"]
+    assert all(job["state"] == "done" and job["returncode"] == 0 for job in index["jobs"].values())
     compressed = tmp_path / "compressed"
     run = run_cli("compress", str(folder), "--use", "my-compress", "--out", str(compressed), "--timing-rounds", "1",
                   env={"PYTHONPATH": str(site)})

@@ -14,7 +14,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("name", metavar="NAME", help="the plugin's name, which manifests write in `use`: lowercase letters, "
                                      "digits and dashes (the distribution becomes lmlab-NAME)")
     parser.add_argument("--slot", required=True, metavar="SLOT",
-                        help=f"the slot it fills: {', '.join(discovery.SLOTS)}")
+                        help=f"the slot it fills: {', '.join(discovery.ALL_SLOTS)}")
     parser.add_argument("--dir", default=".", metavar="DIR",
                         help="where to create lmlab-NAME/ (default: the current folder)")
 

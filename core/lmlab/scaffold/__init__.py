@@ -14,7 +14,8 @@ conformance kit), peft, compress, filter and every other slot with a base class 
 dedicated ones, whose tests run the slot's kit; the rest (monitor, whose plugins act through lifecycle
 hooks) use the generic one. A
 compress method runs on a trained run (``lmlab compress``), not in a training manifest: its table is
-a comment saying so, and its example trains the run to compress.
+a comment saying so, and its example trains the run to compress. An executor is named on the command
+line (``lmlab run --executor``): its example is a sweep of two seeds to run through it.
 A generated plugin imports from the core only ``lmlab.api``; its tests also use ``lmlab.testing``.
 """
 
@@ -73,9 +74,9 @@ def plan(name: str, slot: str) -> Plan:
     if not NAME_PATTERN.match(name):
         raise UserError(f"{name!r} is not a valid plugin name: use lowercase letters, digits and single "
                         "dashes, starting with a letter (e.g. 'sliding-window')")
-    if slot not in discovery.SLOTS:
-        raise UserError(f"unknown slot {slot!r}{did_you_mean(slot, discovery.SLOTS)}; "
-                        f"slots: {', '.join(discovery.SLOTS)}", key="--slot")
+    if slot not in discovery.ALL_SLOTS:
+        raise UserError(f"unknown slot {slot!r}{did_you_mean(slot, discovery.ALL_SLOTS)}; "
+                        f"slots: {', '.join(discovery.ALL_SLOTS)}", key="--slot")
     snake = name.replace("-", "_")
     module = snake + "_" if keyword.iskeyword(snake) else snake  # `from lmlab_x.class_ import ...`
     camel = "".join(part.capitalize() for part in name.split("-"))

@@ -42,7 +42,7 @@ state_dict             yes        yes       yes  save / load(weights_only) / loa
 compile                yes        yes       yes  ``torch.compile`` output and grads = eager
 =====================  =========  ========  ===  ============================================
 
-Optimizer, tokenizer, filter, data, tracker, decoding, objective, compress and architecture plugins
+Optimizer, tokenizer, filter, data, tracker, decoding, objective, compress, architecture and executor plugins
 (each check's docstring says exactly how; one plugin takes about a second, a tracker that starts helper
 processes a few):
 
@@ -126,6 +126,10 @@ compress              on a tiny core model, d_model 128 (``model=``: a callable 
   bad_options         unknown keys and wrong types refused; int options at their range's ends refused
                       by ``check_model`` (UserError naming the option, model untouched) or compressed
   size                ``bits_per_weight``, ``linear_bytes_ratio``, ``params``... = the saved tensors'
+executor              a sweep of two tiny variants through the executor, and here (:mod:`lmlab.testing.executor`)
+  runs_every_job      an outcome per job, exit status 0, where it ran; every variant's run completed
+  same_numbers        each variant's val_loss, train_loss, steps and params = the same command's run here
+  reports             ``report`` names only the sweep's jobs, with fields the core records, as JSON
 ====================  ==============================================================================
 
 Each of these slots also runs ``plugin_class`` first. Settings they accept besides ``seed`` and
@@ -185,8 +189,8 @@ plugin's own tests: ``stand_in_run(train={"log_every": 5}, parallel="single")``.
 
 from collections.abc import Iterable
 
-from lmlab.testing import (architecture, attention, compress, data, decoding, ffn, filter, objective, optimizer,
-                           position, tokenizer, tracker)
+from lmlab.testing import (architecture, attention, compress, data, decoding, executor, ffn, filter, objective,
+                           optimizer, position, tokenizer, tracker)
 from lmlab.testing.common import DEFAULT_SHAPE, Check, ConformanceError, Subject, run_checks
 from lmlab.testing.decoding import check_decoding
 from lmlab.testing.generic import verify_class
@@ -211,6 +215,7 @@ SLOTS = {
     "objective": (objective.ObjectiveSubject, objective.CHECKS),
     "compress": (compress.CompressSubject, compress.CHECKS),
     "architecture": (architecture.ArchitectureSubject, architecture.CHECKS),
+    "executor": (executor.ExecutorSubject, executor.CHECKS),
 }
 
 
@@ -295,6 +300,13 @@ def check_architecture(plugin, options=None, **settings) -> None:
     run_checks(iter_checks(plugin, options, slot="architecture", **settings))
 
 
+def check_executor(plugin, options=None, **settings) -> None:
+    """Run every executor check on ``plugin``: a two-variant sweep through it against the same sweep run
+    here (``root``: a folder its workers share, when they run elsewhere; ``parallel``: ``--jobs``);
+    raise one ConformanceError listing the failures."""
+    run_checks(iter_checks(plugin, options, slot="executor", **settings))
+
+
 def check_plugin(plugin, options=None, **settings) -> None:
     """Run every check of the plugin's own slot (any slot in :data:`SLOTS`)."""
     run_checks(iter_checks(plugin, options, **settings))
@@ -319,7 +331,8 @@ def _slot(slot: str):
 
 __all__ = [
     "DEFAULT_SHAPE", "Check", "ConformanceError", "ReferenceAttention", "ReferenceFFN", "ReferencePosition",
-    "check_architecture", "check_attention", "check_compress", "check_data", "check_decoding", "check_ffn", "check_filter", "check_names", "check_optimizer",
+    "check_architecture", "check_attention", "check_compress", "check_data", "check_decoding", "check_executor",
+    "check_ffn", "check_filter", "check_names", "check_optimizer",
     "check_parallel_matches_single", "check_plan_matches_measured", "check_plugin",
     "check_objective", "check_plugin_class", "check_position", "check_tokenizer", "check_tracker",
     "check_peft", "iter_checks", "reference_model", "stand_in_run", "tiny_model",

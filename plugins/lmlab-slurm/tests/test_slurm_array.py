@@ -149,3 +149,11 @@ def test_bad_slurm_input_is_one_line_and_exit_2_with_nothing_submitted(sweep, tm
                            env={"PATH": os.path.dirname(sys.executable)}), key)
     assert says in line
     assert not out.exists()
+
+
+@pytest.mark.slow  # a two-variant sweep through submitit's local executor and here: about 20 s
+def test_the_slurm_executor_on_submitit_s_local_cluster_passes_the_executor_kit():
+    from lmlab.testing import check_executor
+    from lmlab_slurm.executor import Slurm
+
+    check_executor(Slurm, {"cluster": "local"})
