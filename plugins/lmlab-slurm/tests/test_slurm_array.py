@@ -157,3 +157,29 @@ def test_the_slurm_executor_on_submitit_s_local_cluster_passes_the_executor_kit(
     from lmlab_slurm.executor import Slurm
 
     check_executor(Slurm, {"cluster": "local"})
+
+
+# Installed through PYTHONPATH in the subprocess: submitit looks uninstalled, whatever this environment holds.
+BLOCKER = """
+import sys
+
+class _NoSubmitit:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "submitit":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoSubmitit())
+"""
+
+
+def test_without_submitit_the_slurm_executor_is_one_line_naming_the_distribution(sweep, tmp_path):
+    site = tmp_path / "no-submitit"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    out = tmp_path / "runs"
+    line = refused(run_cli("run", str(sweep), "--out", str(out), "--executor", "slurm", "--slurm", "cluster=local",
+                           env={"PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}),
+                   "--executor")
+    assert "submitit cannot be imported" in line and "pip install lmlab-slurm" in line
+    assert not out.exists()
