@@ -94,12 +94,28 @@ def test_starting_over_removes_the_first_party_wandb_folder(tmp_path):
 
 @pytest.mark.parametrize("by_keyword", [False, True])
 def test_the_check_skips_random_init_of_a_tensor_given_by_position_or_keyword(by_keyword):
-    from lmlab.checks import _without_random_init
+    from lmlab.unfilled import without_random_init
 
     weight = torch.empty(4, 4, device="meta")
-    with _without_random_init():
+    with without_random_init():
         filled = torch.nn.init.normal_(tensor=weight, std=0.02) if by_keyword else torch.nn.init.normal_(weight, 0, 0.02)
     assert filled is weight
+
+
+def test_a_load_skips_the_random_init_of_parameters_only():
+    from lmlab.unfilled import without_random_init
+
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    parameter = torch.nn.Parameter(torch.zeros(64))
+    with without_random_init(parameters_only=True):
+        torch.nn.init.normal_(parameter)
+        torch.nn.Linear(8, 8)  # kaiming_uniform_ and uniform_ of its weight and bias
+    assert torch.equal(torch.random.get_rng_state(), before) and torch.equal(parameter, torch.zeros(64))
+    buffer = torch.zeros(64)
+    with without_random_init(parameters_only=True):
+        torch.nn.init.normal_(buffer)
+    assert buffer.std() > 0.5  # a buffer, which a checkpoint may not hold, is still drawn
 
 
 def test_the_planner_knows_integer_dtypes_by_their_width():

@@ -1,6 +1,6 @@
 """``lmlab run --executor dask``: a sweep's variants as tasks on a local Dask cluster of two worker
-processes give the numbers ``--jobs 2`` gives, ran on the workers, and survive a worker killed
-mid-variant (its task runs again elsewhere and resumes from the checkpoint)."""
+processes run on the workers, survive a worker killed mid-variant (its task runs again elsewhere and
+resumes from the checkpoint) and give the numbers ``--jobs 2`` gives."""
 
 import json
 import os
@@ -72,23 +72,46 @@ def numbers(run_dir: Path) -> dict:
     return {k: summary[k] for k in NUMBERS}
 
 
-@pytest.mark.slow  # two sweeps of four tiny variants, two at a time: about a minute
-def test_a_sweep_on_two_dask_workers_gives_the_local_executor_s_numbers_and_records_where_each_ran(
+@pytest.mark.slow  # two sweeps of four tiny variants, two at a time, one worker killed: about a minute
+def test_a_sweep_on_two_dask_workers_survives_a_killed_worker_and_gives_the_local_executor_s_numbers(
         sweep, local_results):
+    psutil = pytest.importorskip("psutil")
     out = sweep.parent / "dask"
-    done = run_cli("run", str(sweep), "--out", str(out), "--executor", "dask", "--jobs", "2", timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sweep_proc = subprocess.Popen([sys.executable, "-m", "lmlab", "run", str(sweep), "--out", str(out), "--executor",
+                                   "dask", "--jobs", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+    victim = out / VARIANTS[0]
+    try:
+        deadline = time.monotonic() + 300
+        while not (victim / "checkpoints" / "last.ckpt").is_file():
+            assert sweep_proc.poll() is None and time.monotonic() < deadline, sweep_proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        holder = json.loads((victim / ".lmlab.lock").read_text())  # the variant's own process
+        worker = psutil.Process(holder["pid"]).parent()  # the Dask worker that runs it
+        assert "lmlab" not in " ".join(worker.cmdline()[1:3])
+        worker.send_signal(signal.SIGKILL)  # mid-variant: its task runs again elsewhere and resumes
+        _, stderr = sweep_proc.communicate(timeout=600)
+    finally:
+        if sweep_proc.poll() is None:
+            os.killpg(sweep_proc.pid, signal.SIGKILL)
+            sweep_proc.wait()
+    assert sweep_proc.returncode == 0, stderr[-3000:]
     assert {v: numbers(out / v) for v in VARIANTS} == local_results
+    steps = [json.loads(line)["step"] for line in (victim / "metrics.jsonl").read_text().splitlines()
+             if "train_loss" in line]
+    assert steps == sorted(set(steps)) and steps[-1] == 24  # resumed from its checkpoint: no step twice
 
     index = json.loads((out / "sweep.json").read_text())
     assert index["executor"] == "dask" and index["variants"] == VARIANTS
     jobs = index["jobs"]
     assert sorted(jobs) == VARIANTS
-    workers = {job["worker"] for job in jobs.values()}
-    assert len(workers) == 2 and all(w.startswith("tcp://") for w in workers)  # both workers trained
+    assert all(job["worker"].startswith("tcp://") for job in jobs.values())
+    assert len({job["worker"] for job in jobs.values()}) >= 2  # both workers trained
     pids = {job["pid"] for job in jobs.values()}
-    assert len(pids) == 4 and os.getpid() not in pids
-    assert all(job["returncode"] == 0 and job["attempts"] == 1 and job["state"] == "done" for job in jobs.values())
+    assert len(pids) == 4 and os.getpid() not in pids and holder["pid"] not in pids
+    assert {v: job["attempts"] for v, job in jobs.items()} == {v: 2 if v == VARIANTS[0] else 1 for v in VARIANTS}
+    assert all(job["returncode"] == 0 and job["state"] == "done" for job in jobs.values())
     for variant, job in jobs.items():
         log = (out / variant / "output.log").read_text()
         assert f"{variant} on worker {job['worker']}" in log  # the attempt's line, written on the worker
@@ -103,41 +126,6 @@ def test_a_sweep_on_two_dask_workers_gives_the_local_executor_s_numbers_and_reco
     for variant in VARIANTS:
         (line,) = [x for x in lines if x.split() and x.split()[0] == variant]
         assert line.split()[1] == "completed" and f"val_loss {local_results[variant]['val_loss']:.4f}" in line
-
-
-@pytest.mark.slow  # a sweep whose worker is killed mid-variant: about 40 s
-def test_a_worker_killed_mid_variant_is_survived_by_resuming_it_on_another_with_the_same_numbers(
-        sweep, local_results):
-    psutil = pytest.importorskip("psutil")
-    out = sweep.parent / "killed"
-    chosen = VARIANTS[:2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    sweep_proc = subprocess.Popen([sys.executable, "-m", "lmlab", "run", str(sweep), "--out", str(out), "--executor",
-                                   "dask", "--jobs", "2", *(f"--only={v}" for v in chosen)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True)
-    victim = out / chosen[0]
-    try:
-        deadline = time.monotonic() + 300
-        while not (victim / "checkpoints" / "last.ckpt").is_file():
-            assert sweep_proc.poll() is None and time.monotonic() < deadline, sweep_proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        holder = json.loads((victim / ".lmlab.lock").read_text())  # the variant's own process
-        worker = psutil.Process(holder["pid"]).parent()  # the Dask worker that runs it
-        assert "lmlab" not in " ".join(worker.cmdline()[1:3])
-        worker.send_signal(signal.SIGKILL)
-        _, stderr = sweep_proc.communicate(timeout=600)
-    finally:
-        if sweep_proc.poll() is None:
-            os.killpg(sweep_proc.pid, signal.SIGKILL)
-            sweep_proc.wait()
-    assert sweep_proc.returncode == 0, stderr[-3000:]
-    assert {v: numbers(out / v) for v in chosen} == {v: local_results[v] for v in chosen}
-    job = json.loads((out / "sweep.json").read_text())["jobs"][chosen[0]]
-    assert job["attempts"] == 2 and job["returncode"] == 0 and job["pid"] != holder["pid"]
-    steps = [json.loads(line)["step"] for line in (victim / "metrics.jsonl").read_text().splitlines()
-             if "train_loss" in line]
-    assert steps == sorted(set(steps)) and steps[-1] == 24  # resumed from its checkpoint: no step twice
 
 
 @pytest.mark.parametrize("args, key, says", [
