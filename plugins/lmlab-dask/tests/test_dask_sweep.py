@@ -156,10 +156,3 @@ def test_a_variant_of_two_processes_runs_them_both_from_its_one_task(tmp_path):
     job = json.loads((out / "sweep.json").read_text())["jobs"]["default"]
     assert job["returncode"] == 0 and job["worker"].startswith("tcp://")
 
-
-@pytest.mark.slow  # a two-variant sweep through a local cluster and here: about 20 s
-def test_the_dask_executor_passes_the_executor_kit():
-    from lmlab.testing import check_executor
-    from lmlab_dask.executor import Dask
-
-    check_executor(Dask)
