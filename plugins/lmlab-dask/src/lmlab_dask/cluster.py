@@ -3,6 +3,7 @@ local one started here (single-threaded worker processes) and stopped with the c
 
 import logging
 import os
+import socket
 
 from lmlab.api import UserError
 
@@ -36,6 +37,7 @@ class Cluster:
             _restore(self._environ)
             self.client = Client(self.local)
         else:
+            _probe(self.scheduler)
             try:
                 self.client = Client(self.scheduler, timeout=CONNECT_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: all bad input
@@ -61,6 +63,20 @@ class Cluster:
             self.local.close()
             self.local = None
             _restore(self._environ)  # again: a nanny that restarted a lost worker set them again
+
+
+def _probe(address: str) -> None:
+    """A TCP scheduler address where nothing listens is refused at once, rather than after Dask's
+    connection retries have spent ``CONNECT_TIMEOUT_S``."""
+    scheme, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme not in ("", "tcp") or not port.isdigit():
+        return  # tls://, ucx://, inproc://: Dask's own connection says what is wrong
+    try:
+        socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UserError(f"cannot reach the Dask scheduler at {address!r}: {exc.strerror or exc}",
+                        key="--scheduler") from None
 
 
 def has_bokeh() -> bool:
