@@ -3,6 +3,8 @@
 Running it again continues the sweep (completed variants are skipped, interrupted ones resume); a
 variant that fails is recorded as failed, with its error, and the others still run. Every variant is
 checked before any trains (:mod:`lmlab.checks`): one that could not run refuses the whole command.
+``--executor NAME`` hands the variants to an executor plugin (a Dask cluster, a SLURM array:
+:mod:`lmlab.train.executors`); ``--status`` prints where each variant stands and trains nothing.
 """
 
 import contextlib
