@@ -10,13 +10,13 @@ its pid, its attempts, a SLURM job id) is kept in ``sweep.json`` under ``jobs``,
 --status``.
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from lmlab.errors import UserError
 from lmlab.rundir import write_json
+from lmlab.train.sweep import read_index
 
 LOCAL = "local"
 
@@ -37,7 +37,7 @@ def load(name: str, scheduler: str | None, pairs: list[str]):
     from lmlab.tables import validate_options
 
     cls = discovery.load("executor", name, key="--executor")
-    values, flag = {}, cls.cli_options or "--slurm"
+    values, flag = {}, "--slurm"  # the one KEY=VALUE flag of lmlab run (Executor.cli_options)
     if scheduler is not None:
         if "scheduler" not in cls.Options.model_fields:
             raise UserError(f"the {name} executor takes no scheduler address", key="--scheduler")
@@ -103,10 +103,8 @@ def run(executor, name: str, todo: list, parallel: int | None, base_argv: list[s
         if job.name not in outcomes:
             running.append(job.name)
             continue
-        outcome = outcomes[job.name]
-        summary = read_summary(job.run_dir)
-        results[job.name] = summary
-        returncode = outcome.returncode if outcome is not None else None
+        returncode = outcomes[job.name].returncode
+        summary = results[job.name] = read_summary(job.run_dir)
         record(job.name, state="done" if returncode is not None else "lost", returncode=returncode)
         say(describe(job.name, summary, returncode if returncode is not None else -1, job.run_dir))
     if running:
@@ -123,12 +121,7 @@ class JobRecord:
         self.path, self.executor = out / "sweep.json", executor
 
     def __call__(self, name: str, **fields) -> None:
-        try:
-            index = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            index = {}
-        if not isinstance(index, dict):
-            index = {}
+        index = read_index(self.path.parent)
         index["executor"] = self.executor
         jobs = index.setdefault("jobs", {})
         jobs[name] = {**jobs.get(name, {}), **fields, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -141,12 +134,8 @@ def status_lines(variants: list, out: Path) -> list[str]:
     from lmlab.train.lock import live_holder
     from lmlab.train.sweep import read_summary, status_of
 
-    try:
-        index = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        index = {}
-    jobs = index.get("jobs", {}) if isinstance(index, dict) else {}
-    executor_name = index.get("executor", LOCAL) if isinstance(index, dict) else LOCAL
+    index = read_index(out)
+    jobs, executor_name = index.get("jobs", {}), index.get("executor", LOCAL)
     words = _executor_words(executor_name, jobs)
     width = max(len(v.name) for v in variants)
     lines = [f"{out}: {len(variants)} variant(s), executor {executor_name}"]

@@ -189,17 +189,22 @@ def write_index(out: Path, manifest_path: str, overrides: list[str], variants: l
     """``sweep.json`` in the runs folder: the manifest, overrides and the variants in sweep order
     (``lmlab compare`` takes its default baseline and row order from it). What executors recorded of
     the variants' jobs (``lmlab.train.executors``) is kept."""
-    kept = {}
-    try:
-        earlier = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
-        kept = {k: earlier[k] for k in ("executor", "jobs") if k in earlier}
-    except (OSError, ValueError, TypeError):
-        pass
+    earlier = read_index(out)
+    kept = {k: earlier[k] for k in ("executor", "jobs") if k in earlier}
     write_json(out / "sweep.json", {**kept,
         "name": variants[0].experiment, "manifest": str(Path(manifest_path).resolve()),
         "overrides": list(overrides), "variants": [v.name for v in variants],
         "groups": list(dict.fromkeys(v.group for v in variants)),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def read_index(out: Path) -> dict:
+    """``sweep.json`` of the runs folder ``out`` as a dict; empty when it is missing or damaged."""
+    try:
+        index = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 @contextlib.contextmanager

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CORPUS, tiny_toml
 from support import refused, run_cli
 
-ROOT = Path(__file__).resolve().parents[3]
 SWEEP = '[sweep]\n"attention.use" = ["mha", "mqa"]\nseeds = [1, 2]\n'
 VARIANTS = ["attention.use=mha,seed=1", "attention.use=mha,seed=2", "attention.use=mqa,seed=1",
             "attention.use=mqa,seed=2"]
@@ -21,38 +21,13 @@ VARIANTS = ["attention.use=mha,seed=1", "attention.use=mha,seed=2", "attention.u
 NUMBERS = ("val_loss", "val_ppl", "train_loss", "steps", "params", "trainable_params", "status")
 
 
-MANIFEST = """name = "dask-sweep"
-seed = 3
-
-[data]
-use = "text-file"
-path = "tiny.txt"
-
-[model]
-n_layers = 2
-d_model = 32
-n_heads = 4
-block_size = 16
-
-[train]
-max_steps = 24
-batch_size = 4
-warmup_steps = 2
-eval_every = 12
-eval_steps = 2
-checkpoint_every = 4
-log_every = 2
-sample_tokens = 0
-
-[tracker]
-use = "none"
-"""
+MANIFEST = tiny_toml("tiny.txt", name="dask-sweep", steps=24, eval_every=12, checkpoint_every=4, sample_tokens=0)
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dask-sweep")
-    (root / "tiny.txt").write_text((ROOT / "data" / "tinyshakespeare.txt").read_text()[:60_000])
+    (root / "tiny.txt").write_text(CORPUS.read_text()[:60_000])
     path = root / "sweep.toml"
     path.write_text(MANIFEST + SWEEP)
     return path
@@ -145,7 +120,7 @@ def test_an_executor_that_cannot_be_used_is_one_line_and_exit_2_with_nothing_sta
 
 @pytest.mark.slow  # one variant of two DDP processes on one Dask worker: about 20 s
 def test_a_variant_of_two_processes_runs_them_both_from_its_one_task(tmp_path):
-    (tmp_path / "tiny.txt").write_text((ROOT / "data" / "tinyshakespeare.txt").read_text()[:60_000])
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:60_000])
     ddp = '[parallel]\nuse = "ddp"\ndevices = 2\naccelerator = "cpu"\n'
     (tmp_path / "ddp.toml").write_text(MANIFEST.replace("max_steps = 24", "max_steps = 4") + ddp)
     out = tmp_path / "runs"

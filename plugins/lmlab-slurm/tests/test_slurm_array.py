@@ -11,35 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CORPUS, tiny_toml
 from support import refused, run_cli
 
-ROOT = Path(__file__).resolve().parents[3]
-MANIFEST = """name = "slurm-sweep"
-seed = 3
-
-[data]
-use = "text-file"
-path = "tiny.txt"
-
-[model]
-n_layers = 2
-d_model = 32
-n_heads = 4
-block_size = 16
-
-[train]
-max_steps = 24
-batch_size = 4
-warmup_steps = 2
-eval_every = 12
-eval_steps = 2
-checkpoint_every = 4
-log_every = 2
-sample_tokens = 0
-
-[tracker]
-use = "none"
-
+MANIFEST = tiny_toml("tiny.txt", name="slurm-sweep", steps=24, eval_every=12, checkpoint_every=4, sample_tokens=0) + """
 [sweep]
 "attention.use" = ["mha", "mqa"]
 """
@@ -54,7 +29,7 @@ echo "Submitted batch job 4242"
 
 @pytest.fixture
 def sweep(tmp_path) -> Path:
-    (tmp_path / "tiny.txt").write_text((ROOT / "data" / "tinyshakespeare.txt").read_text()[:60_000])
+    (tmp_path / "tiny.txt").write_text(CORPUS.read_text()[:60_000])
     path = tmp_path / "sweep.toml"
     path.write_text(MANIFEST)
     return path
