@@ -324,6 +324,7 @@ def test_plugin_class_basics_are_checked_with_a_message_naming_the_plugin():
         check_attention(TinyAttention, {"n_kv_heads": 2})
 
 
+@pytest.mark.exclusive
 def test_a_parallel_check_fails_when_fewer_processes_train_than_were_to(tmp_path):
     from lmlab.testing import check_parallel_matches_single
 

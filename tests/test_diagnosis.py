@@ -203,6 +203,7 @@ recorder.RunRecorder.on_train_batch_start = on_train_batch_start
 """
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_collective_timeout_names_the_late_rank(tiny_manifest, tmp_path):
     # A sitecustomize module reaches every process the run starts (the DDP launcher re-runs the

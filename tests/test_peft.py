@@ -295,6 +295,7 @@ def test_checking_a_peft_manifest_imports_neither_peft_nor_bitsandbytes(tmp_path
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow  # two runs of three processes: about 45 s here
 def test_lora_under_ddp_trains_what_one_device_trains(tmp_path):
     from lmlab.testing import check_parallel_matches_single

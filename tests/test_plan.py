@@ -377,6 +377,7 @@ def test_the_fsdp_plugin_shards_everything_and_gathers_units(plan_manifest, resh
 _BUCKETS = "reduce_bucket_size = 20_000_000\nallgather_bucket_size = 20_000_000"  # smaller than DeepSpeed's defaults
 
 
+@pytest.mark.exclusive
 @pytest.mark.parametrize("parallel", [
     'use = "single"\naccelerator = "cpu"',
     'use = "fsdp"\ndevices = 2\naccelerator = "cpu"',

@@ -24,6 +24,8 @@ from lmlab_dask.preparation import DaskWorkers
 from test_prepare import (ENCODINGS, encodings_manifest, files_of, kill_a_few_parts_in, needs_stdlib, quiet, variant_of,
                           write_manifest)
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 KIT = PreparationKit(Worker, ReadTask)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -52,6 +52,7 @@ def test_a_signal_ends_the_run_resumably_with_its_exit_status(long_run, tmp_path
     assert logged_steps(run_dir / "metrics.jsonl") == list(range(2, STEPS + 1, 2))
 
 
+@pytest.mark.exclusive
 def test_sigterm_to_a_parallel_sweep_checkpoints_every_child_and_exits_143(tiny_manifest, tmp_path):
     path = tiny_manifest('\n[sweep]\nseeds = [1, 2]\n', steps=2000, eval_every=500, checkpoint_every=500)
     out = tmp_path / "runs"

@@ -92,6 +92,7 @@ def test_bad_input_only_the_data_shows_stops_a_sweep_with_exit_status_2(tiny_man
     assert (tmp_path / "out" / "sweep.json").is_file()
 
 
+@pytest.mark.exclusive
 def test_a_killed_sweep_run_again_completes_every_variant_once(sweep_manifest, tmp_path):
     out = tmp_path / "runs"
     args = ("run", str(sweep_manifest), "--out", str(out), "--set", "train.sample_tokens=0")

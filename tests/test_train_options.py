@@ -34,6 +34,7 @@ def test_warmup_then_cosine_matches_nanogpt():
     assert lr_factor(1500, **{**kw, "kind": "constant"}) == 1.0
 
 
+@pytest.mark.exclusive
 def test_ddp_on_two_cpu_processes_from_a_manifest(tiny_manifest, tmp_path):
     path = tiny_manifest('[parallel]\nuse = "ddp"\ndevices = 2\naccelerator = "cpu"\n', steps=4, eval_every=2)
     result = run_cli("run", str(path), "--out", str(tmp_path / "runs"), "--set", "train.sample_tokens=4")

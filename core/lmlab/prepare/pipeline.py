@@ -40,7 +40,6 @@ stream goes to validation if no other did.
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -53,15 +52,13 @@ from lmlab.prepare.report import Progress
 from lmlab.prepare.shards import FORMAT
 from lmlab.prepare.stages import Build, Listener, filter_specs
 from lmlab.prepare.work import Workers
+from lmlab.cores import usable_cores
 
 DEFAULT_SHARD_MB = 16.0
 
 
 def default_workers() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 def cache_key(variant, source=None, tokenizer=None) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmlab.cores import usable_cores
 from lmlab.errors import UserError
 from lmlab.signals import Terminated
 from lmlab.rundir import load_summary, write_json
@@ -248,13 +249,13 @@ def run_parallel(todo: list[Planned], jobs: int, base_argv: list[str], say,
     """Run ``todo`` in up to ``jobs`` child processes; variant name → its summary (None: no summary).
 
     ``base_argv`` is the ``lmlab run`` command line without ``--only``/``--jobs``/``--overwrite``.
-    Each child gets ``cpu_count // jobs`` threads (at least one): N processes that each start as
+    Each child gets ``usable cores // jobs`` threads (at least one): N processes that each start as
     many threads as there are cores run many times slower than one. ``locks`` (variant name → the
     RunLock this process holds on its folder) are handed to the children that run them.
     A SIGINT or SIGTERM to this process is passed on to the children, which stop as ``lmlab run``
     does (a checkpoint on SIGTERM), and is raised again once they have ended.
     """
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = max(1, usable_cores() // jobs)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     pending, running, results = list(todo), {}, {}
     total, done = len(todo), 0

@@ -14,6 +14,8 @@ import pytest
 from conftest import CORPUS, tiny_toml
 from support import refused, run_cli
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 SWEEP = '[sweep]\n"attention.use" = ["mha", "mqa"]\nseeds = [1, 2]\n'
 VARIANTS = ["attention.use=mha,seed=1", "attention.use=mha,seed=2", "attention.use=mqa,seed=1",
             "attention.use=mqa,seed=2"]

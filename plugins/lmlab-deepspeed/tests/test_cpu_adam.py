@@ -13,6 +13,8 @@ from support import refused
 
 from lmlab.testing.parallel import MANIFEST, loss_trajectory, synthetic_corpus
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 OFFLOAD = 'use = "deepspeed"\ndevices = 2\naccelerator = "cpu"\nstage = 2\noffload_optimizer = "cpu"\n'
 
 

@@ -14,6 +14,8 @@ import torch
 from lmlab.testing import check_parallel_matches_single
 from lmlab.testing.parallel import MANIFEST, loss_trajectory, synthetic_corpus
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 TWO_CPU_PROCESSES = 'use = "deepspeed"\ndevices = 2\naccelerator = "cpu"\n'
 
 

@@ -15,6 +15,8 @@ from lmlab.testing import DEFAULT_SHAPE, ReferencePosition, check_parallel_match
 from lmlab.testing.parallel import synthetic_corpus
 from lmlab_fsdp.fsdp import FullyShardedDataParallel as FSDP
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 HERE = Path(__file__).parent
 
 

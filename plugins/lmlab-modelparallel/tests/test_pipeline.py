@@ -4,6 +4,8 @@ from lmlab.api import CheckContext, ModelShape, Parallel, UserError
 from lmlab.testing import stand_in_run
 from lmlab_modelparallel.pipeline import PipelineParallel
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 
 def make(**options) -> PipelineParallel:
     return PipelineParallel(PipelineParallel.Options(**options))

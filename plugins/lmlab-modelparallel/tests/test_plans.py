@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 
 def test_each_plan_on_two_processes_computes_what_the_unsharded_module_computes(tmp_path):
     # Outputs, input gradients, every parameter after one SGD step, parameter names, and a

@@ -10,6 +10,8 @@ import pytest
 
 from lmlab.testing.parallel import MANIFEST, loss_trajectory, synthetic_corpus
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 LAYOUTS = {
     "tensor": 'use = "tensor"\ndevices = 2\naccelerator = "cpu"\ntensor_parallel_size = 2',
     "pipeline": 'use = "pipeline"\ndevices = 2\naccelerator = "cpu"',

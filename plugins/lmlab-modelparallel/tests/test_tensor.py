@@ -3,6 +3,8 @@ import pytest
 from lmlab.api import Parallel, UserError
 from lmlab_modelparallel.tensor import TensorParallel
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 
 def make(**options) -> TensorParallel:
     return TensorParallel(TensorParallel.Options(**options))

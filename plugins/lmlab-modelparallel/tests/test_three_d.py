@@ -12,6 +12,8 @@ from lmlab.api import Parallel, UserError
 from lmlab.testing.parallel import loss_trajectory
 from lmlab_modelparallel.three_d import ThreeD
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 CUBE = 'use = "3d"\ndevices = 8\naccelerator = "cpu"\npipeline = 2\ndata = 2\ntensor = 2'
 
 

@@ -85,6 +85,7 @@ class _Regression:  # built lazily so collecting this file does not import light
         return LinearRegression()
 
 
+@pytest.mark.exclusive
 def test_ddp_on_two_cpu_processes_shards_the_data_and_keeps_replicas_identical(tmp_path, monkeypatch):
     import lightning
 
@@ -121,6 +122,7 @@ def test_ddp_on_two_cpu_processes_shards_the_data_and_keeps_replicas_identical(t
     assert ranks[0]["weights"] != [p.flatten().tolist() for p in before]
 
 
+@pytest.mark.exclusive
 def test_ddp_on_two_processes_trains_exactly_what_one_device_does_on_the_global_batch(tmp_path):
     from lmlab.testing import check_parallel_matches_single
 

@@ -14,6 +14,8 @@ import pytest
 from conftest import CORPUS, tiny_toml
 from support import refused, run_cli
 
+pytestmark = pytest.mark.exclusive  # several processes at once
+
 MANIFEST = tiny_toml("tiny.txt", name="slurm-sweep", steps=24, eval_every=12, checkpoint_every=4, sample_tokens=0) + """
 [sweep]
 "attention.use" = ["mha", "mqa"]

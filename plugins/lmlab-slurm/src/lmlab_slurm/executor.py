@@ -75,7 +75,7 @@ def threads(options: SlurmOptions, running_here: int) -> dict[str, str]:
     if options.cpus_per_task:
         n = options.cpus_per_task
     elif options.cluster != "slurm":
-        n = max(1, (os.cpu_count() or 1) // max(1, running_here))
+        n = max(1, len(os.sched_getaffinity(0)) // max(1, running_here))
     else:
         return {}
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
