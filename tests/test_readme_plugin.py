@@ -1,4 +1,4 @@
-"""The README's worked plugin example, built from the README's own text as a third party would:
+"""The manual's worked plugin example, built from the manual's own text as a third party would:
 installed with pip into a folder outside the repository, listed by `lmlab plugins`, and trained
 from a manifest, with no change to the core."""
 
@@ -14,7 +14,7 @@ BLOCK = re.compile(r"^```\w+ file=(\S+)\n(.*?)^```", re.S | re.M)
 
 
 def readme_files() -> dict[str, str]:
-    return dict(BLOCK.findall((ROOT / "README.md").read_text()))
+    return dict(BLOCK.findall((ROOT / "docs" / "guide" / "plugins.md").read_text()))
 
 
 def test_readme_example_plugin_installs_lists_and_trains(tmp_path, corpus_slice):

@@ -8,7 +8,8 @@ which mode; ``SLOT_BASES`` maps each slot's name to that class (``SLOT_BASES["at
 [Plugin][lmlab.api.plugin.Plugin], acting through hooks; [Monitor][lmlab.api.monitor.Monitor] is the
 monitor slot's convenience base).
 
-How to write, test and publish a plugin: the README's section "Writing and publishing a plugin".
+How to write, test and publish a plugin: the manual's page "Writing and publishing a plugin"
+(``docs/guide/plugins.md``).
 The reference of every name here is rendered from these docstrings by
 ``.venv/bin/python -m mkdocs build --strict`` (``mkdocs.yml`` at the repository root, pages in
 ``docs/``).

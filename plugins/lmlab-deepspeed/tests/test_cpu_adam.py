@@ -39,7 +39,7 @@ def _stepped(run_dir) -> str:
     return json.loads((run_dir / "summary.json").read_text())["optimizer_stepped"]
 
 
-@pytest.mark.slow  # two 2-process runs of 20 steps, and the op's first build (about a minute)
+@pytest.mark.slow  # two 2-process runs of 20 steps (and the op's first build, unless scripts/setup --dev built it)
 def test_zero2_offload_with_cpu_adam_trains_what_torch_adamw_does(tmp_path):
     from lmlab_deepspeed.cpu_adam import build_problem
 
