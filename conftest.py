@@ -12,6 +12,7 @@ scheduled last, as one unit, after modules holding slow tests first and the rest
 import contextlib
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,6 @@ class Room:
 
 
 def _torch_threads(n: int) -> None:
-    import sys
-
     if "torch" in sys.modules:  # otherwise torch starts with the affinity's cores and OMP_NUM_THREADS
         sys.modules["torch"].set_num_threads(n)
 
@@ -115,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadfile":
-        from xdist.scheduler import LoadScopeScheduling
+        from xdist.scheduler import LoadScopeScheduling  # xdist is there: it asks
 
         class Units(LoadScopeScheduling):
             """--dist loadfile, but every exclusive test in one unit, and each documentation page's
@@ -156,6 +155,8 @@ def _exclusive_marks(rootpath: Path, testpaths) -> tuple[set, set]:
                         "mark.exclusive" in ast.unparse(d) for d in node.decorator_list):
                     tests.add((module, node.name))
     return modules, tests
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     room = item.config.stash.get(_ROOM, None)

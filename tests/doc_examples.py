@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +67,9 @@ def pages(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs" / "guide").glob("*.md"))]
 
 
-def _blocks(text: str):
+def _blocks(lines: list[str]):
     """(line, info, body, directives, the line before the directives, the line after the closing fence)
-    for every fenced block of a page (lines 0-based but the first, the opening fence's, 1-based)."""
-    lines = text.split("\n")
+    for every fenced block of a page's lines (0-based but the first, the opening fence's, 1-based)."""
     i = 0
     while i < len(lines):
         match = FENCE.match(lines[i])
@@ -92,13 +91,14 @@ def _blocks(text: str):
 def examples(page: Path) -> list[Example]:
     found: list[Example] = []
     text = page.read_text()
+    lines = text.split("\n")
     previous_end = None
-    for line, info, body, directives, before, after in _blocks(text):
+    for line, info, body, directives, before, after in _blocks(lines):
         words = info.split()
         lang = words[0] if words and "=" not in words[0] else ""
         attrs = dict(w.split("=", 1) for w in words if "=" in w)
         follows_bash = (found and found[-1].lang == "bash" and found[-1].output is None and previous_end is not None
-                        and all(not l.strip() for l in text.split("\n")[previous_end:before + 1]))
+                        and all(not l.strip() for l in lines[previous_end:before + 1]))
         previous_end = after
         if lang in ("", "text", "console") and body.lstrip().startswith("$ "):  # a session: commands and output
             commands, printed, continued = [], [], False
@@ -115,8 +115,7 @@ def examples(page: Path) -> list[Example]:
             continue
         if lang in ("", "text") and "file" not in attrs:
             if follows_bash and "not output" not in directives:
-                last = found.pop()
-                found.append(Example(**{**last.__dict__, "output": body}))
+                found[-1] = replace(found[-1], output=body)
             continue
         if lang not in ("bash", "toml", "python") and "file" not in attrs:
             continue
@@ -132,7 +131,7 @@ def not_run_reasons(root: Path = ROOT) -> Counter:
 
 # --- running one ---------------------------------------------------------------------------------
 
-def sandbox(page: Path, folder: Path) -> Path:
+def sandbox(folder: Path) -> Path:
     """The folder a page's examples run in: copies of experiments/ and data/ (examples write beside
     manifests and corpora), scripts/ linked."""
     if not (folder / "experiments").exists():
@@ -209,7 +208,7 @@ def unmatched_output(expected: str, actual: str) -> str | None:
 
 def run(example: Example, folder: Path, timeout: float = 900) -> None:
     """Run one example in its page's folder; AssertionError naming the page and line if it fails."""
-    folder = sandbox(example.page, folder)
+    folder = sandbox(folder)
     if example.setup:
         setup = Example(example.page, example.line, "bash", None, example.setup)
         done = subprocess.run(["bash", "-c", script(setup)], cwd=folder, env=environment(), stdout=subprocess.PIPE,

@@ -1,6 +1,8 @@
 """Every example in README.md and the manual runs as the page shows it (doc_examples.py says how a
 page marks its examples); a page whose command, option or quoted output went stale fails here."""
 
+from dataclasses import replace
+
 import pytest
 
 import doc_examples
@@ -54,10 +56,10 @@ def test_quoted_output_is_matched_in_order_with_any_numbers(tmp_path, monkeypatc
     assert quoted.output is not None and gpu.not_run == "needs a GPU" and failing.exit == 3
     with pytest.raises(AssertionError, match="quotes 'done in 61 s'"):
         run(quoted, tmp_path / "folder")  # "61 s" against "3.2s": the space is part of what is quoted
-    run(Example(**{**quoted.__dict__, "output": "step 1 | loss 9\n...\ndone in 1.5s"}), tmp_path / "folder")
+    run(replace(quoted, output="step 1 | loss 9\n...\ndone in 1.5s"), tmp_path / "folder")
     run(failing, tmp_path / "folder")
     with pytest.raises(AssertionError, match="quotes 'step 3 | loss 3'"):  # three lines quoted, two printed
-        run(Example(**{**quoted.__dict__, "output": "step 1 | loss 1\nstep 2 | loss 2\nstep 3 | loss 3"}),
+        run(replace(quoted, output="step 1 | loss 1\nstep 2 | loss 2\nstep 3 | loss 3"),
             tmp_path / "folder")
 
 

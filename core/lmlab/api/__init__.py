@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
                                 Segment, document_text)
     from lmlab.api.decoding import Decoder, DecodingOptions, Engine, Outputs, Stepper, TokenDecoder, TokenRows
     from lmlab.api.errors import UserError
-    from lmlab.api.executor import Executor, JobOutcome, VariantJob, run_job
+    from lmlab.api.executor import Executor, JobOutcome, VariantJob, run_job, usable_cores
     from lmlab.api.ffn import FFN, FFNModule
     from lmlab.api.filter import Filter
     from lmlab.api.hooks import LifecycleSpec, hookimpl, hookspec
@@ -95,6 +95,7 @@ _EXPORTS = {
     "JobOutcome": "lmlab.api.executor",
     "VariantJob": "lmlab.api.executor",
     "run_job": "lmlab.api.executor",
+    "usable_cores": "lmlab.api.executor",
     "FFN": "lmlab.api.ffn",
     "FFNModule": "lmlab.api.ffn",
     "Filter": "lmlab.api.filter",

@@ -160,6 +160,15 @@ class Executor(Plugin):
         """Release what ``start`` reached or started (a local cluster is stopped)."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a SLURM or container cpuset),
+    not the machine's count, so that the threads an executor hands its jobs never outnumber them
+    (API 1.23)."""
+    from lmlab.cores import usable_cores as cores
+
+    return cores()
+
+
 def run_job(job: VariantJob, on_start: Callable[[int], None] | None = None, log: Path | None = None) -> JobOutcome:
     """Run ``job``'s command here, its output appended to ``log`` (default ``job.log``); returns how it
     ended.

@@ -234,6 +234,9 @@ and raise the bound when the plugin starts to use a newer one.
      it is called, dying with its caller). What a preparation's pool is made of, for an executor that
      prepares data: ``PreparationWorker``, ``PluginSpec``, ``ReadTask`` and ``WorkerLost`` (the Dask
      executor moved out of the core into lmlab-dask).
+
+1.23: ``usable_cores`` (``lmlab.api.executor``): the cores this process may run on, its CPU affinity,
+     for the threads an executor hands its jobs (lmlab-dask and lmlab-slurm share them out by it).
 """
 
-API_VERSION = "1.22"
+API_VERSION = "1.23"

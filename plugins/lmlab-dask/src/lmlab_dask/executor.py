@@ -16,7 +16,7 @@ class Dask(Executor):
     elsewhere, resuming from the variant's last checkpoint. ``lmlab prepare``'s tasks too."""
 
     Options = DaskOptions
-    api = ">=1.22,<2"  # Executor
+    api = ">=1.23,<2"  # Executor
 
     def __init__(self, options=None):
         super().__init__(options)

@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from lmlab.api import JobOutcome, UserError, VariantJob, run_job
+from lmlab.api import JobOutcome, UserError, VariantJob, run_job, usable_cores
 from lmlab.api.executor import Terminated
 from lmlab_dask.cluster import Cluster
 
@@ -43,7 +43,7 @@ def train(job: VariantJob, sweep: str, workers_per_host: dict[str, int]) -> JobO
     with _one_variant:
         if sweep in _stopped:  # queued behind another variant when the sweep was stopped
             return JobOutcome(None, host, None, worker)
-        threads = str(max(1, len(os.sched_getaffinity(0)) // max(1, workers_per_host.get(_host_of(worker), 1))))
+        threads = str(max(1, usable_cores() // max(1, workers_per_host.get(_host_of(worker), 1))))
         job.run_dir.mkdir(parents=True, exist_ok=True)
         with open(job.log, "ab") as log:
             log.write(f"[lmlab-dask {sweep}] {time.strftime('%Y-%m-%dT%H:%M:%S')} {job.name} on worker {worker} "
@@ -76,7 +76,7 @@ class Sweep:
     def __init__(self, scheduler: str | None, parallel: int | None, jobs: list[VariantJob]):
         self.jobs, self.parallel = jobs, parallel
         # A local cluster: one single-threaded worker per variant running at once.
-        self.cluster = Cluster(scheduler, parallel or min(len(jobs), len(os.sched_getaffinity(0))))
+        self.cluster = Cluster(scheduler, parallel or min(len(jobs), usable_cores()))
         self.token = uuid.uuid4().hex[:8]
         self._names: dict[str, VariantJob] = {}  # task key → its job
 

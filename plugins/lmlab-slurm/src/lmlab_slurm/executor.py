@@ -1,11 +1,10 @@
 """The ``slurm`` executor: a sweep's variants as SLURM job arrays, submitted through submitit."""
 
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Literal
 
-from lmlab.api import Executor, Field, JobOutcome, Options, UserError, VariantJob
+from lmlab.api import Executor, Field, JobOutcome, Options, UserError, VariantJob, usable_cores
 
 
 class SlurmOptions(Options):
@@ -39,7 +38,7 @@ class Slurm(Executor):
     which resumes from it."""
 
     Options = SlurmOptions
-    api = ">=1.22,<2"  # Executor
+    api = ">=1.23,<2"  # Executor
     cli_options = "--slurm"
 
     def start(self, parallel: int | None, jobs: list[VariantJob]) -> None:
@@ -75,7 +74,7 @@ def threads(options: SlurmOptions, running_here: int) -> dict[str, str]:
     if options.cpus_per_task:
         n = options.cpus_per_task
     elif options.cluster != "slurm":
-        n = max(1, len(os.sched_getaffinity(0)) // max(1, running_here))
+        n = max(1, usable_cores() // max(1, running_here))
     else:
         return {}
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
